@@ -1,0 +1,216 @@
+"""Strict structured configs (hydra ConfigStore) and how the CLI composes them.
+
+``configs/config.yaml`` composes the groups ``model/ algorithm/ reward/ sampler/ experiment/`` on top
+of the :class:`Config` schema registered here; an unknown key anywhere is an error naming the key.
+Sizes are global: ``trainer.prompts_per_step`` prompts × ``trainer.group_size`` samples per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+
+
+@dataclass
+class LoraSettings:
+    rank: int = 8
+    """LoRA rank; 0 = full fine-tuning"""
+    alpha: float = 16.0
+    """LoRA alpha (scale = alpha / rank)"""
+    dropout: float = 0.0
+    """LoRA dropout (0 keeps rollout and training log-probs identical)"""
+
+
+@dataclass
+class ModelConfig:
+    family: str = "digits"
+    """model family (pipelines/<family>)"""
+    path: Optional[str] = None
+    """local diffusers folder with the weights; null builds the family's tiny random config"""
+    dtype: str = "float32"
+    """denoiser dtype: float32 | bfloat16 | float16"""
+    device: str = "cpu"
+    """torch device"""
+    lora: LoraSettings = field(default_factory=LoraSettings)
+
+
+@dataclass
+class SamplerConfig:
+    num_steps: int = 10
+    """denoising steps K of rollouts"""
+    step_kind: str = "flow_sde"
+    """stochastic step of rollouts (diffrl.sde.STEP_KINDS)"""
+    noise_level: float = 0.7
+    """noise scale of the stochastic step (Flow-GRPO's a)"""
+    guidance_scale: float = 1.0
+    """classifier-free guidance scale; 1 runs no unconditional branch"""
+    shift: Optional[float] = None
+    """sigma-schedule shift; null takes the model family's"""
+    height: int = 16
+    """image height in pixels"""
+    width: int = 16
+    """image width in pixels"""
+    micro_batch_size: Optional[int] = None
+    """trajectories per rollout forward (null: all of a step)"""
+    eval_num_steps: int = 10
+    """steps of the deterministic (ODE) evaluation sampler"""
+
+
+@dataclass
+class AlgorithmConfig:
+    name: str = "flow_grpo"
+    """algorithm name (documentation and run naming)"""
+    loss: str = "flow_grpo"
+    """loss in the diffrl.losses registry"""
+    clip_range: float = 0.2
+    """PPO ratio clip ε"""
+    kl_beta: float = 0.0
+    """weight β of the KL to the reference (LoRA disabled)"""
+    adv_std_mode: str = "global"
+    """advantage normaliser: group | global | none"""
+    adv_eps: float = 1e-4
+    """added to the advantage std"""
+    adv_clip_max: float = 5.0
+    """advantages are clipped to ±adv_clip_max"""
+    epochs: int = 1
+    """passes over each step's trajectories"""
+    mini_batch_size: Optional[int] = None
+    """trajectories per optimizer step (global; null: the whole step)"""
+    micro_batch_size: Optional[int] = None
+    """trajectories per forward/backward (null: the whole mini-batch)"""
+    lr: float = 1e-3
+    """AdamW learning rate"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping (≤ 0: off)"""
+
+
+@dataclass
+class RewardConfig:
+    weights: dict[str, float] = field(default_factory=lambda: {"digits": 1.0})
+    """reward name (registry, entry point or module:Class) → weight of its sum"""
+    options: dict[str, Any] = field(default_factory=dict)
+    """reward name → keyword arguments of its constructor"""
+    gold: Optional[str] = "digits_gold"
+    """metric reported as gold accuracy at evaluations (a reward name); null: none"""
+
+
+@dataclass
+class TrainerConfig:
+    steps: int = 100
+    """RL steps"""
+    prompts_per_step: int = 8
+    """distinct prompts per step (global)"""
+    group_size: int = 8
+    """samples per prompt (global)"""
+    seed: int = 0
+    """seed of prompts, noise and initialisation"""
+    prompts: Optional[str] = None
+    """prompt file (one per line); null: the model family's built-in prompt set"""
+    eval_every: int = 50
+    """evaluate every N steps (and before the first and after the last step)"""
+    eval_seeds_per_prompt: int = 4
+    """evaluation samples per prompt (fixed held-out seeds)"""
+    eval_seed: int = 1234
+    """base seed of evaluation samples (disjoint from training seeds)"""
+    checkpoint_every: int = 50
+    """write a LoRA checkpoint every N steps (and at the end); 0: only at the end"""
+    output_dir: Optional[str] = None
+    """run folder; null: outputs/<experiment>-<timestamp>"""
+    progress: bool = True
+    """show a progress bar"""
+    max_grid_images: int = 60
+    """images in each evaluation grid"""
+    threads: Optional[int] = None
+    """torch CPU threads (null: torch's default)"""
+
+
+@dataclass
+class Config:
+    experiment: str = "custom"
+    """recipe name (set by experiment/*.yaml)"""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+class ConfigError(ValueError):
+    """A config that cannot be composed (unknown key, bad value, unknown group option)."""
+
+
+def _register() -> None:
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name="diffrl_schema", node=Config)
+    cs.store(group="model", name="diffrl_schema", node=ModelConfig)
+    cs.store(group="algorithm", name="diffrl_schema", node=AlgorithmConfig)
+    cs.store(group="reward", name="diffrl_schema", node=RewardConfig)
+    cs.store(group="sampler", name="diffrl_schema", node=SamplerConfig)
+
+
+def _asset_path(name: str) -> str:
+    return str(CONFIG_DIR.parent / "assets" / name)
+
+
+if not OmegaConf.has_resolver("asset"):
+    OmegaConf.register_new_resolver("asset", _asset_path)
+
+
+def _valid_keys(dotted_parent: str) -> list[str]:
+    node: Any = OmegaConf.structured(Config)
+    for part in [p for p in dotted_parent.split(".") if p]:
+        node = node.get(part) if isinstance(node, DictConfig) else None
+    return sorted(node.keys()) if isinstance(node, DictConfig) else []
+
+
+def _explain(exc: Exception) -> str:
+    """Turn hydra/omegaconf errors into one message that names the key and the valid choices."""
+    import re
+
+    text = str(exc)
+    match = re.search(r"Could not override '([^']+)'", text) or re.search(r"Key '([^']+)' (?:is )?not in", text)
+    if match:
+        key = match.group(1)
+        full = getattr(exc, "full_key", None) or key
+        parent = full.rsplit(".", 1)[0] if "." in full else ""
+        valid = _valid_keys(parent)
+        where = f" under '{parent}'" if parent else ""
+        return f"unknown config key '{full}'{where}; valid keys{where}: {valid}. Check the spelling (see diffrl/config.py)."
+    cause = exc.__cause__ or exc.__context__
+    return f"invalid configuration: {text}" + (f" ({cause})" if cause else "")
+
+
+def compose(overrides: list[str] | None = None, config_name: str = "config") -> DictConfig:
+    """Compose ``configs/<config_name>.yaml`` with command-line ``overrides`` (hydra syntax).
+
+    Raises:
+        ConfigError: naming the offending key or group option, with the valid choices where known.
+    """
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    _register()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+            cfg = hydra_compose(config_name=config_name, overrides=list(overrides or []))
+        schema = OmegaConf.structured(Config)
+        OmegaConf.set_struct(schema, True)
+        cfg_typed = OmegaConf.merge(schema, OmegaConf.to_container(cfg, resolve=False))
+        OmegaConf.resolve(cfg_typed)
+    except (HydraException, OmegaConfBaseException) as exc:
+        raise ConfigError(_explain(exc)) from None
+    OmegaConf.set_struct(cfg_typed, True)
+    return cfg_typed

@@ -1,0 +1,224 @@
+"""Training and inference of the policy on one rank: micro-batches, gradient accumulation, optimizer.
+
+The engine owns the model adapter (its ``denoiser`` carries the LoRA adapters) and the optimizer.
+Both paths call the adapter's ``predict()`` and the sampler step of ``diffrl.sde`` with the recorded
+``prev_sample``, exactly as the rollout did, so recomputed log-probs equal the rollout's at equal batch
+composition.
+
+A loss function is ``loss_fn(step: dict, batch: TensorDict, k: int) -> (loss, metrics)`` where
+``step`` holds ``log_prob``, ``mean``, ``std`` of the current policy at step ``k`` and, when
+``loss_fn.needs_reference`` is true, ``ref_mean`` and ``ref_log_prob`` of the reference policy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+from tensordict import TensorDict
+
+from diffrl import adapters as lora
+from diffrl.rollout import SamplerSettings
+from diffrl.sde import DETERMINISTIC_KINDS, get_step
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    """AdamW settings."""
+
+    lr: float = 1e-3
+    """learning rate"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas"""
+    eps: float = 1e-8
+    """AdamW epsilon"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm (≤ 0 disables clipping)"""
+
+
+@dataclass(kw_only=True)
+class EngineSettings:
+    """What the engine trains and how."""
+
+    lora_rank: int = 8
+    """LoRA rank; 0 trains every parameter of the denoiser (full fine-tuning)"""
+    lora_alpha: float = 16.0
+    """LoRA alpha"""
+    lora_dropout: float = 0.0
+    """LoRA dropout (keep 0 for exact on-policy log-prob parity)"""
+    init_seed: int = 0
+    """seed of the LoRA initialisation (independent of the global RNG, so runs reproduce)"""
+    micro_batch_size: int | None = None
+    """trajectories per forward/backward (None: the whole mini-batch)"""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+
+
+def _rows(batch: TensorDict, key: str) -> torch.Tensor:
+    return batch.get(key)
+
+
+class DiffusionEngine:
+    """Policy training/inference for one model adapter on one device.
+
+    Args:
+        adapter: a ``pipelines.base.ModelAdapter``.
+        settings: LoRA, micro-batch and optimizer settings.
+        sampler: the sampler settings the trajectories were drawn with (step kind, noise level, CFG).
+    """
+
+    def __init__(self, adapter, settings: EngineSettings, sampler: SamplerSettings):
+        self.adapter = adapter
+        self.settings = settings
+        self.sampler = sampler
+        self.optimizer: torch.optim.Optimizer | None = None
+        self._reference_copy = None
+        self.initialized = False
+
+    # -- set-up -----------------------------------------------------------------------------------
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.adapter.denoiser
+
+    @property
+    def uses_lora(self) -> bool:
+        return self.settings.lora_rank > 0
+
+    def initialize(self) -> None:
+        """Attach LoRA (or unfreeze everything) and build the optimizer; idempotent."""
+        if self.initialized:
+            return
+        module = self.module
+        module.requires_grad_(False)
+        if self.uses_lora:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(self.settings.init_seed)
+                lora.attach_lora(
+                    module, rank=self.settings.lora_rank, alpha=self.settings.lora_alpha, dropout=self.settings.lora_dropout,
+                    target_modules=self.adapter.lora_target_modules,
+                )
+            for p in lora.adapter_parameters(module, "default").values():
+                p.requires_grad_(True)
+        else:
+            module.requires_grad_(True)
+        o = self.settings.optim
+        self.optimizer = torch.optim.AdamW(self.trainable_parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+        self.initialized = True
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.module.parameters() if p.requires_grad]
+
+    def trainable_state(self) -> dict[str, torch.Tensor]:
+        """Name → tensor of every trainable parameter (the LoRA "default" adapter, or all weights)."""
+        return {n: p.detach() for n, p in self.module.named_parameters() if p.requires_grad}
+
+    @contextlib.contextmanager
+    def reference(self):
+        """Yield the model adapter running as the reference policy (LoRA disabled; full FT: frozen copy)."""
+        if self.uses_lora:
+            with lora.adapters_disabled(self.module):
+                yield self.adapter
+            return
+        if self._reference_copy is None:
+            self._reference_copy = copy.copy(self.adapter)
+            self._reference_copy.denoiser = copy.deepcopy(self.module).requires_grad_(False)
+        yield self._reference_copy
+
+    def to(self, device: str) -> None:
+        self.module.to(device)
+        if hasattr(self.adapter, "text_encoder"):
+            self.adapter.text_encoder.to(device)
+
+    # -- per-step scoring -----------------------------------------------------------------------
+    def _score_step(self, adapter, batch: TensorDict, k: int):
+        """Step ``k`` of ``batch`` under ``adapter``: the SDE step scoring the recorded next latent."""
+        device = self.adapter.device
+        latents = batch["latents"]
+        x = latents[:, k].to(device)
+        x_next = latents[:, k + 1].to(device)
+        sigma = batch["sigmas"][:, k].to(device)
+        sigma_next = batch["sigmas"][:, k + 1].to(device)
+        v = adapter.predict(x, sigma, batch["cond"].to(device), self.sampler.guidance_scale)
+        step = get_step(self.sampler.step_kind)
+        return step(v, x, sigma, sigma_next, noise_level=self.sampler.noise_level, prev_sample=x_next)
+
+    def _trained_steps(self, batch: TensorDict) -> list[int]:
+        mask = batch["sde_mask"]
+        if self.sampler.step_kind in DETERMINISTIC_KINDS:
+            raise ValueError(f"step kind {self.sampler.step_kind!r} is deterministic: it has no log-prob to train on")
+        if not bool((mask == mask[:1]).all()):
+            raise ValueError("trajectories of one mini-batch must share the same sde_mask")
+        return [k for k in range(mask.shape[1]) if bool(mask[0, k])]
+
+    def _micro_batches(self, batch: TensorDict) -> list[TensorDict]:
+        size = self.settings.micro_batch_size or batch.shape[0]
+        return [batch[i : i + size] for i in range(0, batch.shape[0], size)]
+
+    # -- train / infer ----------------------------------------------------------------------------
+    def train_batch(self, batch: TensorDict, loss_fn) -> dict:
+        """One optimizer step on ``batch`` (trajectories × their trained steps, gradients accumulated).
+
+        Each (micro-batch, step) loss is weighted by ``rows / (B · n_steps)`` so the update equals the
+        mean over all trajectories and steps, whatever the micro-batch size.
+        """
+        if loss_fn is None:
+            raise RuntimeError("no loss function set: call set_loss_fn first")
+        self.initialize()
+        self.module.train()
+        steps = self._trained_steps(batch)
+        n_total = batch.shape[0] * len(steps)
+        sums: dict[str, float] = defaultdict(float)
+        loss_total = 0.0
+        for micro in self._micro_batches(batch):
+            weight = micro.shape[0] / n_total
+            for k in steps:
+                out = self._score_step(self.adapter, micro, k)
+                step_out = {"log_prob": out.log_prob, "mean": out.mean, "std": out.std}
+                if getattr(loss_fn, "needs_reference", False):
+                    with torch.no_grad(), self.reference() as ref:
+                        ref_out = self._score_step(ref, micro, k)
+                    step_out.update(ref_mean=ref_out.mean, ref_log_prob=ref_out.log_prob)
+                loss, metrics = loss_fn(step_out, micro, k)
+                (loss * weight).backward()
+                loss_total += loss.item() * weight
+                for name, value in metrics.items():
+                    sums[name] += value * weight
+        grad_norm = self._optimizer_step()
+        return {"loss": loss_total, "metrics": {**sums, "grad_norm": grad_norm, "lr": self.optimizer.param_groups[0]["lr"]}}
+
+    def _optimizer_step(self) -> float:
+        params = self.trainable_parameters()
+        max_norm = self.settings.optim.max_grad_norm
+        if max_norm > 0:
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        else:
+            grad_norm = torch.norm(torch.stack([p.grad.norm() for p in params if p.grad is not None]))
+        if not torch.isfinite(grad_norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise FloatingPointError(f"non-finite gradient norm {grad_norm.item()}; the update was skipped and the weights are unchanged")
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(grad_norm)
+
+    @torch.no_grad()
+    def infer_batch(self, batch: TensorDict, *, reference: bool = False) -> TensorDict:
+        """Recompute ``log_probs [B, K]`` of the recorded trajectories (0 at ODE steps).
+
+        With ``reference=True`` the reference policy (adapters disabled) scores them.
+        """
+        self.initialize()
+        self.module.eval()
+        steps = self._trained_steps(batch)
+        pieces = []
+        ctx = self.reference() if reference else contextlib.nullcontext(self.adapter)
+        with ctx as adapter:
+            for micro in self._micro_batches(batch):
+                lp = torch.zeros(micro.shape[0], batch["sde_mask"].shape[1])
+                for k in steps:
+                    lp[:, k] = self._score_step(adapter, micro, k).log_prob.float().cpu()
+                pieces.append(lp)
+        return TensorDict({"log_probs": torch.cat(pieces)}, batch_size=batch.batch_size)

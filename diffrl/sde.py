@@ -1,0 +1,146 @@
+"""Stateless sampler steps under one contract (DESIGN.md, "SDE step contract").
+
+Every step kind is a pure function
+
+    step(model_output, sample, sigma, sigma_next, *, noise_level, generator=None, prev_sample=None)
+        -> StepOutput(prev_sample, mean, std, log_prob)
+
+``sigma``/``sigma_next`` are per-sample ``[B]`` tensors (or scalars), ``sigma_next < sigma``; the
+model output is the velocity ``v = ε − x0``. Given ``prev_sample`` the step scores that sample
+instead of drawing one (the training path). Math runs in fp32. ``log_prob`` is the Gaussian
+log-density of ``prev_sample`` under ``N(mean, std²)`` averaged over the non-batch dims (the
+anchors' convention); deterministic kinds return ``std = 0`` and ``log_prob = 0``.
+
+``generator`` is one ``torch.Generator`` for the whole batch or a list with one per sample; the
+per-sample form makes a sample's noise independent of the batch it is drawn in.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+Generators = torch.Generator | Sequence[torch.Generator] | None
+
+
+@dataclass
+class StepOutput:
+    """Result of one sampler step.
+
+    Attributes:
+        prev_sample: the next (less noisy) sample ``[B, …]``.
+        mean: the Gaussian mean of the transition ``[B, …]`` (fp32).
+        std: its standard deviation, broadcastable to ``mean`` (fp32; 0 for ODE kinds).
+        log_prob: ``[B]`` mean over non-batch dims of the Gaussian log-density of ``prev_sample``.
+    """
+
+    prev_sample: torch.Tensor
+    mean: torch.Tensor
+    std: torch.Tensor
+    log_prob: torch.Tensor
+
+
+def randn_per_sample(shape: Sequence[int], generator: Generators, device, dtype=torch.float32) -> torch.Tensor:
+    """Standard normal noise of ``shape``; with a list of generators, row ``b`` comes from ``generator[b]``."""
+    if generator is None or isinstance(generator, torch.Generator):
+        return torch.randn(tuple(shape), generator=generator, device=device, dtype=dtype)
+    if len(generator) != shape[0]:
+        raise ValueError(f"got {len(generator)} generators for a batch of {shape[0]}")
+    rows = [torch.randn(tuple(shape[1:]), generator=g, device=g.device, dtype=dtype) for g in generator]
+    return torch.stack(rows).to(device)
+
+
+def _per_sample(value, like: torch.Tensor) -> torch.Tensor:
+    """Scalar or ``[B]`` → fp32 tensor broadcastable against ``like [B, …]``."""
+    t = torch.as_tensor(value, dtype=torch.float32, device=like.device)
+    if t.ndim == 0:
+        t = t.expand(like.shape[0])
+    return t.reshape(-1, *([1] * (like.ndim - 1)))
+
+
+def gaussian_log_prob(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """``[B]``: mean over non-batch dims of ``log N(x; mean, std²)`` (fp32)."""
+    std = std.expand_as(mean)
+    lp = -((x - mean) ** 2) / (2 * std**2) - torch.log(std) - 0.5 * math.log(2 * math.pi)
+    return lp.mean(dim=tuple(range(1, lp.ndim)))
+
+
+def _finish(mean, std, sample_dtype, generator, prev_sample) -> StepOutput:
+    if prev_sample is None:
+        noise = randn_per_sample(mean.shape, generator, mean.device)
+        prev_sample = (mean + std * noise).to(sample_dtype)
+    log_prob = gaussian_log_prob(prev_sample.detach().float(), mean, std)
+    return StepOutput(prev_sample=prev_sample, mean=mean, std=std.expand_as(mean), log_prob=log_prob)
+
+
+def flow_sde_step(
+    model_output: torch.Tensor,
+    sample: torch.Tensor,
+    sigma,
+    sigma_next,
+    *,
+    noise_level: float,
+    generator: Generators = None,
+    prev_sample: torch.Tensor | None = None,
+) -> StepOutput:
+    """Flow-GRPO's SDE step (Liu et al. 2025, "Flow-GRPO", eq. 9), marginal-preserving for the flow ODE.
+
+    With ``dt = σ_next − σ < 0`` and ``σ_t = a·√(σ / (1 − σ))`` (``a = noise_level``)::
+
+        mean = x·(1 + σ_t²·dt / (2σ)) + v·dt·(1 + σ_t²·(1 − σ) / (2σ))
+        std  = σ_t·√(−dt)
+
+    At ``σ = 1`` the ratio ``σ/(1 − σ)`` is infinite; as in Flow-GRPO the denominator then uses the
+    next sigma of the schedule (``1 − σ_next``).
+    """
+    if noise_level <= 0:
+        raise ValueError(f"flow_sde_step needs noise_level > 0 (got {noise_level}); use the 'ode' step for deterministic sampling")
+    v = model_output.float()
+    x = sample.float()
+    s = _per_sample(sigma, x)
+    s_next = _per_sample(sigma_next, x)
+    dt = s_next - s
+    if bool((dt >= 0).any()):
+        raise ValueError("flow_sde_step needs sigma_next < sigma for every sample")
+    denom = torch.where(s >= 1.0, 1.0 - s_next, 1.0 - s)
+    std_t = noise_level * torch.sqrt(s / denom)
+    mean = x * (1 + std_t**2 / (2 * s) * dt) + v * (1 + std_t**2 * (1 - s) / (2 * s)) * dt
+    std = std_t * torch.sqrt(-dt)
+    return _finish(mean, std, sample.dtype, generator, prev_sample)
+
+
+def ode_step(
+    model_output: torch.Tensor,
+    sample: torch.Tensor,
+    sigma,
+    sigma_next,
+    *,
+    noise_level: float = 0.0,
+    generator: Generators = None,
+    prev_sample: torch.Tensor | None = None,
+) -> StepOutput:
+    """Deterministic Euler step of the flow ODE: ``x_next = x + (σ_next − σ)·v``; ``std = 0``, ``log_prob = 0``.
+
+    ``noise_level``, ``generator`` and ``prev_sample`` are accepted for the shared contract; a given
+    ``prev_sample`` is returned as the sample (a deterministic step has no density to score).
+    """
+    x = sample.float()
+    dt = _per_sample(sigma_next, x) - _per_sample(sigma, x)
+    mean = x + dt * model_output.float()
+    zeros = torch.zeros(x.shape[0], device=x.device)
+    out = mean.to(sample.dtype) if prev_sample is None else prev_sample
+    return StepOutput(prev_sample=out, mean=mean, std=torch.zeros_like(mean), log_prob=zeros)
+
+
+STEP_KINDS: dict[str, Callable[..., StepOutput]] = {"flow_sde": flow_sde_step, "ode": ode_step}
+DETERMINISTIC_KINDS = frozenset({"ode"})
+
+
+def get_step(kind: str) -> Callable[..., StepOutput]:
+    """The step function registered as ``kind``; a clear error lists the known kinds."""
+    if kind not in STEP_KINDS:
+        raise ValueError(f"unknown sampler step kind {kind!r}; known kinds: {sorted(STEP_KINDS)}")
+    return STEP_KINDS[kind]

@@ -1,0 +1,240 @@
+"""The RL loop: sample → reward → advantages → update → sync → log → checkpoint.
+
+One process drives an ``ActorRolloutRefWorker`` (actor, rollout and reference on one module). Each
+step draws ``prompts_per_step`` prompts (a seeded permutation per pass over the prompt set), samples
+``group_size`` trajectories per prompt with per-sample seeds from ``(seed, step, prompt position,
+index)``, scores them, normalises rewards within each prompt's group and updates the policy on every
+stochastic step. Evaluations (before the first step, every ``eval_every`` steps and after the last)
+sample fixed held-out seeds with the ODE and report the rewards and the gold metric.
+
+A run folder holds ``config.yaml``, ``metrics.jsonl`` (one line per step and per evaluation),
+``images/eval_step_<N>.png``, ``checkpoints/step_<N>/`` and, when the run completes, ``summary.json``.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from tensordict import NonTensorStack, TensorDict
+
+from diffrl import checkpoint
+from diffrl.advantages import group_advantages
+from diffrl.engine import EngineSettings, OptimConfig
+from diffrl.evaluation import eval_prompts_and_seeds, evaluate
+from diffrl.logging import JsonlWriter, Progress, save_grid
+from diffrl.losses import make_step_loss
+from diffrl.rollout import SamplerSettings, sample_seed
+from diffrl.workers import ActorRolloutRefWorker, TrainingWorkerConfig
+from rewards.base import build_reward, score
+
+
+class RunFolderError(FileExistsError):
+    """The output folder already holds a run."""
+
+
+def read_prompt_file(path: str | Path) -> list[str]:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"prompt file {path} does not exist (trainer.prompts)")
+    prompts = [line.strip() for line in path.read_text().splitlines() if line.strip()]
+    if not prompts:
+        raise ValueError(f"prompt file {path} holds no prompts")
+    return prompts
+
+
+def worker_config(cfg: DictConfig) -> TrainingWorkerConfig:
+    a, m, s = cfg.algorithm, cfg.model, cfg.sampler
+    return TrainingWorkerConfig(
+        model_family=m.family,
+        model_kwargs={"path": m.path, "dtype": m.dtype, "device": m.device},
+        engine=EngineSettings(
+            lora_rank=m.lora.rank, lora_alpha=m.lora.alpha, lora_dropout=m.lora.dropout, init_seed=cfg.trainer.seed,
+            micro_batch_size=a.micro_batch_size,
+            optim=OptimConfig(lr=a.lr, weight_decay=a.weight_decay, max_grad_norm=a.max_grad_norm),
+        ),
+        sampler=SamplerSettings(
+            num_steps=s.num_steps, step_kind=s.step_kind, noise_level=s.noise_level,
+            guidance_scale=s.guidance_scale, shift=s.shift, height=s.height, width=s.width,
+        ),
+    )
+
+
+class Trainer:
+    """Runs one recipe (a composed config from ``diffrl.config.compose``)."""
+
+    def __init__(self, cfg: DictConfig):
+        self.cfg = cfg
+        t = cfg.trainer
+        if t.threads:
+            torch.set_num_threads(int(t.threads))
+        if t.prompts_per_step < 1 or t.group_size < 1:
+            raise ValueError(f"trainer.prompts_per_step and trainer.group_size must be ≥ 1, got {t.prompts_per_step} and {t.group_size}")
+        batch = t.prompts_per_step * t.group_size
+        mini = cfg.algorithm.mini_batch_size or batch
+        if batch % mini:
+            raise ValueError(
+                f"algorithm.mini_batch_size={mini} does not divide the {batch} trajectories of a step "
+                f"(trainer.prompts_per_step × trainer.group_size)"
+            )
+        self.output_dir = Path(t.output_dir or f"outputs/{cfg.experiment}-{datetime.now():%Y%m%d-%H%M%S}")
+        if (self.output_dir / "metrics.jsonl").exists():
+            raise RunFolderError(
+                f"output folder {self.output_dir} already holds a run (metrics.jsonl); it is left untouched — "
+                "choose another trainer.output_dir"
+            )
+        torch.manual_seed(t.seed)
+        self.worker = ActorRolloutRefWorker(worker_config(cfg), role="actor_rollout_ref")
+        self.worker.init_model()
+        a = cfg.algorithm
+        self.worker.set_loss_fn(make_step_loss(a.loss, clip_range=a.clip_range, kl_beta=a.kl_beta))
+        adapter = self.worker.actor.adapter
+        self.prompts = read_prompt_file(t.prompts) if t.prompts else adapter.default_prompts()
+        if not self.prompts:
+            raise ValueError(f"model family {cfg.model.family!r} has no built-in prompts; set trainer.prompts=<file>")
+        options = OmegaConf.to_container(cfg.reward.options, resolve=True)
+        self.rewards = {name: (build_reward(name, **options.get(name, {})), float(w)) for name, w in cfg.reward.weights.items()}
+        if not self.rewards:
+            raise ValueError("reward.weights is empty: give at least one reward")
+        self.eval_metrics = {name: fn for name, (fn, _) in self.rewards.items()}
+        self.gold_name = cfg.reward.gold
+        if self.gold_name:
+            self.eval_metrics[self.gold_name] = build_reward(self.gold_name, **options.get(self.gold_name, {}))
+
+    # -- pieces ---------------------------------------------------------------------------------
+    def step_prompts(self, step: int) -> list[str]:
+        """The step's prompts: positions ``step·P … step·P + P − 1`` of a seeded permutation per pass."""
+        n, P = len(self.prompts), self.cfg.trainer.prompts_per_step
+        chosen = []
+        for pos in range(step * P, step * P + P):
+            epoch, offset = divmod(pos, n)
+            perm = torch.randperm(n, generator=torch.Generator().manual_seed(self.cfg.trainer.seed * 100003 + epoch))
+            chosen.append(self.prompts[int(perm[offset])])
+        return chosen
+
+    def rollout_request(self, step: int) -> TensorDict:
+        t = self.cfg.trainer
+        prompts = self.step_prompts(step)
+        G = t.group_size
+        td = TensorDict(
+            {
+                "seeds": torch.tensor([sample_seed(t.seed, step, j, s) for j in range(len(prompts)) for s in range(G)]),
+                "group_id": torch.arange(len(prompts)).repeat_interleave(G),
+            },
+            batch_size=[len(prompts) * G],
+        )
+        td["prompts"] = NonTensorStack(*[p for p in prompts for _ in range(G)])
+        if self.cfg.sampler.micro_batch_size:
+            td.set_non_tensor("micro_batch_size", int(self.cfg.sampler.micro_batch_size))
+        return td
+
+    def evaluate(self, step: int) -> dict:
+        t, s = self.cfg.trainer, self.cfg.sampler
+        prompts, seeds = eval_prompts_and_seeds(self.prompts, t.eval_seeds_per_prompt, t.eval_seed)
+        adapter = self.worker.actor.adapter
+        adapter.denoiser.eval()
+        start = time.perf_counter()
+        metrics, images = evaluate(
+            adapter, prompts, seeds=seeds, num_steps=s.eval_num_steps, guidance_scale=s.guidance_scale,
+            metrics=self.eval_metrics, micro_batch_size=s.micro_batch_size,
+        )
+        first_seed = images[:: t.eval_seeds_per_prompt][: t.max_grid_images]
+        save_grid(first_seed, self.output_dir / "images" / f"eval_step_{step:06d}.png", columns=min(10, len(first_seed)), scale=4)
+        metrics["eval/seconds"] = time.perf_counter() - start
+        return metrics
+
+    # -- the loop -------------------------------------------------------------------------------
+    def fit(self) -> dict:
+        cfg, t = self.cfg, self.cfg.trainer
+        wall_start = time.perf_counter()
+        (self.output_dir / "images").mkdir(parents=True, exist_ok=True)
+        (self.output_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+        log = JsonlWriter(self.output_dir / "metrics.jsonl")
+        progress = Progress(t.steps, enabled=t.progress, desc=cfg.experiment)
+        try:
+            before = self.evaluate(0)
+            log.write({"step": 0, "kind": "eval", **before})
+            progress.write(f"eval before training: {self._eval_line(before)}")
+            last_eval = before
+            for step in range(t.steps):
+                record = self.train_step(step)
+                log.write(record)
+                progress.update(reward=record["reward_mean"], loss=record["loss"])
+                done = step + 1
+                if done % t.eval_every == 0 or done == t.steps:
+                    last_eval = self.evaluate(done)
+                    log.write({"step": done, "kind": "eval", **last_eval})
+                    progress.write(f"eval at step {done}: {self._eval_line(last_eval)}")
+                if (t.checkpoint_every and done % t.checkpoint_every == 0) or done == t.steps:
+                    self.worker.save_checkpoint(self.output_dir / "checkpoints", global_step=done, extra_state={"experiment": cfg.experiment})
+        finally:
+            progress.close()
+            log.close()
+        summary = self._summary(before, last_eval, time.perf_counter() - wall_start)
+        checkpoint.write_json_atomic(self.output_dir / "summary.json", summary)
+        return summary
+
+    def train_step(self, step: int) -> dict:
+        a, t = self.cfg.algorithm, self.cfg.trainer
+        times = {}
+        start = time.perf_counter()
+        traj = self.worker.generate_sequences(self.rollout_request(step))
+        times["time/rollout"] = time.perf_counter() - start
+
+        start = time.perf_counter()
+        prompts = list(traj.get("prompts").tolist())
+        scores = score(self.rewards, traj["images"], prompts, {"step": step})
+        for key, value in scores.items():
+            traj[key] = value
+        times["time/reward"] = time.perf_counter() - start
+
+        start = time.perf_counter()
+        traj["advantages"] = group_advantages(scores["rewards"], traj["group_id"], std_mode=a.adv_std_mode, eps=a.adv_eps, clip_max=a.adv_clip_max)
+        times["time/advantages"] = time.perf_counter() - start
+
+        start = time.perf_counter()
+        del traj["metrics"]
+        traj.set_non_tensor("mini_batch_size", int(a.mini_batch_size or traj.shape[0]))
+        traj.set_non_tensor("epochs", int(a.epochs))
+        traj.set_non_tensor("seed", int(t.seed * 1000003 + step))
+        out = self.worker.update_actor(traj).get_non_tensor("metrics")
+        self.worker.update_weights(step + 1)
+        times["time/train"] = time.perf_counter() - start
+
+        rewards = scores["rewards"]
+        record = {"step": step + 1, "kind": "train", "reward_mean": rewards.mean().item(), "reward_std": rewards.std(unbiased=False).item()}
+        for key, value in scores.items():
+            if key.startswith("reward/"):
+                record[f"{key}_mean"] = value.mean().item()
+        record["advantage_abs_mean"] = traj["advantages"].abs().mean().item()
+        for key in ("loss", "policy_loss", "kl", "approx_kl", "clipfrac", "ratio_mean", "ratio_std", "grad_norm", "lr"):
+            if key in out:
+                record[key] = sum(out[key]) / len(out[key])
+        record["first_ratio_mean"] = out["ratio_mean"][0] if "ratio_mean" in out else None
+        record.update(times)
+        return record
+
+    @staticmethod
+    def _eval_line(metrics: dict) -> str:
+        return ", ".join(f"{k[5:]}={v:.4f}" for k, v in metrics.items() if k != "eval/seconds")
+
+    def _summary(self, before: dict, after: dict, wall: float) -> dict:
+        reward_keys = [f"eval/{name}" for name in self.rewards]
+        summary = {
+            "experiment": self.cfg.experiment,
+            "steps": int(self.cfg.trainer.steps),
+            "wall_seconds": wall,
+            "reward_before": sum(before[k] * w for k, (_, w) in zip(reward_keys, self.rewards.values())),
+            "reward_after": sum(after[k] * w for k, (_, w) in zip(reward_keys, self.rewards.values())),
+            "eval_before": before,
+            "eval_after": after,
+            "output_dir": str(self.output_dir),
+            "checkpoint": str(checkpoint.list_checkpoints(self.output_dir / "checkpoints")[-1]),
+        }
+        if self.gold_name:
+            summary["gold_accuracy_before"] = before[f"eval/{self.gold_name}"]
+            summary["gold_accuracy_after"] = after[f"eval/{self.gold_name}"]
+        return summary

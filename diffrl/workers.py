@@ -1,0 +1,208 @@
+"""Training workers with the API of verl-omni's ``TrainingWorker`` / ``ActorRolloutRefWorker``.
+
+Workers receive and return TensorDicts. Control flags travel as non-tensor entries of the input
+TensorDict (``mini_batch_size``, ``epochs``, ``seed``, ``no_lora_adapter``, ``disable_auto_offload``).
+In this version the workers run in-process (the embedded default).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tensordict import TensorDict
+
+from diffrl import adapters as lora
+from diffrl import checkpoint
+from diffrl.engine import DiffusionEngine, EngineSettings
+from diffrl.rollout import SamplerSettings, sample_trajectories
+
+ROLES = ("actor", "rollout", "ref", "actor_rollout", "actor_rollout_ref")
+
+
+def pop_flag(data: TensorDict, key: str, default=None):
+    """Remove and return a non-tensor control flag (``default`` when absent)."""
+    if key not in data.keys():
+        return default
+    value = data.get_non_tensor(key)
+    del data[key]
+    return value
+
+
+def get_flag(data: TensorDict, key: str, default=None):
+    return data.get_non_tensor(key) if key in data.keys() else default
+
+
+def metrics_td(metrics: dict, **tensors) -> TensorDict:
+    td = TensorDict(tensors, batch_size=[])
+    td.set_non_tensor("metrics", metrics)
+    return td
+
+
+@dataclass(kw_only=True)
+class TrainingWorkerConfig:
+    """Everything a TrainingWorker needs to build its engine."""
+
+    model_family: str
+    """model family name (pipelines registry)"""
+    model_kwargs: dict = field(default_factory=dict)
+    """keyword arguments of the family's adapter (path, dtype, device, …)"""
+    engine: EngineSettings = field(default_factory=EngineSettings)
+    sampler: SamplerSettings = field(default_factory=lambda: SamplerSettings(num_steps=10))
+
+
+class TrainingWorker:
+    """Trains or scores trajectories with one engine (seed API: reset, to, set_loss_fn, train_batch, …)."""
+
+    def __init__(self, config: TrainingWorkerConfig, adapter=None):
+        from pipelines import build_adapter
+
+        self.config = config
+        self.adapter = adapter if adapter is not None else build_adapter(config.model_family, **config.model_kwargs)
+        self.engine = DiffusionEngine(self.adapter, config.engine, config.sampler)
+        self.loss_fn = None
+
+    def reset(self) -> None:
+        """Build LoRA and the optimizer (first call)."""
+        self.engine.initialize()
+
+    def to(self, device: str, model: bool = True, optimizer: bool = True, grad: bool = True) -> None:
+        if model:
+            self.engine.to(device)
+
+    def set_loss_fn(self, loss_fn) -> None:
+        self.loss_fn = loss_fn
+
+    def train_batch(self, data: TensorDict) -> TensorDict:
+        """One optimizer step on ``data`` (a mini-batch); returns ``metrics`` (non-tensor)."""
+        start = time.perf_counter()
+        output = self.engine.train_batch(data, self.loss_fn)
+        metrics = dict(output["metrics"], loss=output["loss"], train_seconds=time.perf_counter() - start)
+        return metrics_td(metrics)
+
+    def infer_batch(self, data: TensorDict) -> TensorDict:
+        """Recompute ``log_probs`` of ``data``; flag ``no_lora_adapter=True`` scores with the reference."""
+        reference = bool(pop_flag(data, "no_lora_adapter", False))
+        start = time.perf_counter()
+        out = self.engine.infer_batch(data, reference=reference)
+        out.set_non_tensor("metrics", {"infer_seconds": time.perf_counter() - start})
+        return out
+
+    def train_mini_batch(self, data: TensorDict) -> TensorDict:
+        """Split ``data`` into mini-batches (``mini_batch_size``) and run ``epochs`` passes over them.
+
+        The order within each epoch is a permutation seeded by ``seed + epoch``. Returns every
+        optimizer step's metrics as lists under ``metrics``.
+        """
+        pop_flag(data, "disable_auto_offload", False)
+        batch_size = data.shape[0]
+        mini_batch_size = int(pop_flag(data, "mini_batch_size", None) or batch_size)
+        epochs = int(pop_flag(data, "epochs", 1))
+        seed = int(pop_flag(data, "seed", 0))
+        if batch_size % mini_batch_size:
+            raise ValueError(f"batch of {batch_size} trajectories is not divisible by mini_batch_size={mini_batch_size}")
+        collected: dict[str, list] = defaultdict(list)
+        for epoch in range(epochs):
+            order = torch.randperm(batch_size, generator=torch.Generator().manual_seed(seed + epoch)) if epochs > 1 or mini_batch_size < batch_size else torch.arange(batch_size)
+            for start in range(0, batch_size, mini_batch_size):
+                out = self.train_batch(data[order[start : start + mini_batch_size]])
+                for key, value in out.get_non_tensor("metrics").items():
+                    collected[key].append(value)
+        return metrics_td(dict(collected))
+
+    def copy_adapter(self, source: str = "default", target: str = "old") -> None:
+        lora.copy_adapter(self.engine.module, source, target)
+
+    def ema_update_adapter(self, source: str = "default", target: str = "old", decay: float = 0.0) -> None:
+        lora.ema_update_adapter(self.engine.module, source, target, decay)
+
+    def save_checkpoint(self, local_path: str | Path, global_step: int = 0, extra_state: dict | None = None) -> Path:
+        return checkpoint.save_engine(self.engine, local_path, global_step=global_step, extra_state=extra_state)
+
+    def load_checkpoint(self, local_path: str | Path) -> dict:
+        return checkpoint.load_engine(self.engine, local_path)
+
+
+class ActorRolloutRefWorker:
+    """The hybrid worker: actor, rollout and reference on one module (seed API).
+
+    With LoRA the reference is the actor with its adapters disabled and the rollout samples from the
+    actor's own module, so ``update_weights`` has nothing to move (colocated, in place).
+
+    Args:
+        config: a :class:`TrainingWorkerConfig`.
+        role: one of ``actor | rollout | ref | actor_rollout | actor_rollout_ref``.
+    """
+
+    def __init__(self, config: TrainingWorkerConfig, role: str = "actor_rollout_ref"):
+        if role not in ROLES:
+            raise ValueError(f"unknown worker role {role!r}; choose one of {ROLES}")
+        self.config = config
+        self.role = role
+        self._is_actor = role in ("actor", "actor_rollout", "actor_rollout_ref")
+        self._is_rollout = role in ("rollout", "actor_rollout", "actor_rollout_ref")
+        self._is_ref = role in ("ref", "actor_rollout_ref")
+        self.actor: TrainingWorker | None = None
+        self.weights_version = 0
+
+    def init_model(self) -> None:
+        self.actor = TrainingWorker(self.config)
+        if self._is_actor or self._is_ref:
+            self.actor.reset()
+
+    def set_loss_fn(self, loss_fn) -> None:
+        self.actor.set_loss_fn(loss_fn)
+
+    def to(self, device: str, model: bool = True, optimizer: bool = True, grad: bool = True) -> None:
+        self.actor.to(device, model=model, optimizer=optimizer, grad=grad)
+
+    def generate_sequences(self, data: TensorDict) -> TensorDict:
+        """Sample trajectories: ``data`` holds non-tensor ``prompts`` and tensor ``seeds``, ``group_id``,
+        and optionally ``sde_mask [K]``; sampler settings come from the config."""
+        if not self._is_rollout:
+            raise RuntimeError(f"generate_sequences needs a rollout role, this worker is {self.role!r}")
+        prompts = list(data.get("prompts").tolist()) if hasattr(data.get("prompts"), "tolist") else list(data.get("prompts"))
+        start = time.perf_counter()
+        self.actor.engine.module.eval()
+        td = sample_trajectories(
+            self.actor.adapter, prompts, settings=self.config.sampler, seeds=data["seeds"].tolist(),
+            sde_mask=get_flag(data, "sde_mask"), group_id=data["group_id"],
+            micro_batch_size=get_flag(data, "micro_batch_size"),
+        )
+        td.set_non_tensor("metrics", {"rollout_seconds": time.perf_counter() - start, "weights_version": self.weights_version})
+        return td
+
+    def infer_ref_batch(self, data: TensorDict) -> TensorDict:
+        data.set_non_tensor("no_lora_adapter", True)
+        return self.actor.infer_batch(data)
+
+    def infer_actor_batch(self, data: TensorDict) -> TensorDict:
+        return self.actor.infer_batch(data)
+
+    def update_actor(self, data: TensorDict) -> TensorDict:
+        if not self._is_actor:
+            raise RuntimeError(f"update_actor needs an actor role, this worker is {self.role!r}")
+        return self.actor.train_mini_batch(data)
+
+    def copy_adapter(self, source: str = "default", target: str = "old") -> None:
+        self.actor.copy_adapter(source, target)
+
+    def ema_update_adapter(self, source: str = "default", target: str = "old", decay: float = 0.0) -> None:
+        self.actor.ema_update_adapter(source, target, decay)
+
+    def update_weights(self, global_steps: int | None = None) -> None:
+        """Make the rollout path use the actor's current weights.
+
+        Colocated in one process the rollout samples with the actor's own module (LoRA included), so
+        the sync is in place; the version counter records which update the rollout sees.
+        """
+        self.weights_version = global_steps if global_steps is not None else self.weights_version + 1
+
+    def save_checkpoint(self, local_path, global_step: int = 0, extra_state: dict | None = None) -> Path:
+        return self.actor.save_checkpoint(local_path, global_step, extra_state)
+
+    def load_checkpoint(self, local_path) -> dict:
+        return self.actor.load_checkpoint(local_path)

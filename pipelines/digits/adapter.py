@@ -1,0 +1,153 @@
+"""The digits family: a tiny diffusers ``SD3Transformer2DModel`` in pixel space + a tiny text encoder.
+
+Folder layout (what ``pipelines/digits/pretrain.py`` writes and ``model.path`` points at)::
+
+    <path>/transformer/    diffusers save_pretrained (config.json + diffusion_pytorch_model.safetensors)
+    <path>/text_encoder/   config.json + model.safetensors (DigitsTextEncoder)
+
+Latents are the images themselves scaled to [-1, 1]: ``[B, 3, 16, 16]``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tensordict import TensorDict
+
+from pipelines.base import ModelAdapter, register_family
+from pipelines.digits.data import all_prompts
+from pipelines.digits.text_encoder import DigitsTextEncoder
+
+# the shipped miniature's architecture; also the tiny random config used when no path is given
+TRANSFORMER_CONFIG = dict(
+    sample_size=16,
+    patch_size=2,
+    in_channels=3,
+    out_channels=3,
+    num_layers=4,
+    attention_head_dim=32,
+    num_attention_heads=2,
+    joint_attention_dim=32,
+    caption_projection_dim=64,
+    pooled_projection_dim=32,
+    pos_embed_max_size=16,
+)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _dtype(name: str) -> torch.dtype:
+    if name not in _DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def build_transformer(seed: int = 0):
+    from diffusers import SD3Transformer2DModel
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return SD3Transformer2DModel(**TRANSFORMER_CONFIG)
+
+
+@register_family("digits")
+class DigitsAdapter(ModelAdapter):
+    """Adapter of the digits miniature.
+
+    Args:
+        path: local folder with ``transformer/`` and ``text_encoder/``; ``None`` builds random weights.
+        dtype: denoiser dtype (``float32`` | ``bfloat16`` | ``float16``).
+        device: torch device string.
+        seed: init seed of the random configuration (only with ``path=None``).
+    """
+
+    prediction_type = "flow"
+    shift = 1.0
+    lora_target_modules = [
+        "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
+        "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",
+    ]
+
+    def __init__(self, path: str | None = None, dtype: str = "float32", device: str = "cpu", seed: int = 0):
+        if path is None:
+            transformer = build_transformer(seed)
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed + 1)
+                text_encoder = DigitsTextEncoder()
+        else:
+            from diffusers import SD3Transformer2DModel
+
+            folder = Path(path)
+            if not folder.is_dir():
+                raise FileNotFoundError(
+                    f"digits model folder {folder} does not exist; set model.path to a folder made by "
+                    "`python -m pipelines.digits.pretrain` (the shipped one is assets/digits)"
+                )
+            for part in ("transformer/config.json", "transformer/diffusion_pytorch_model.safetensors"):
+                if not (folder / part).is_file():
+                    raise FileNotFoundError(f"digits model file {folder / part} is missing")
+            transformer = SD3Transformer2DModel.from_pretrained(str(folder / "transformer"), local_files_only=True)
+            text_encoder = DigitsTextEncoder.from_pretrained(folder / "text_encoder")
+        transformer = transformer.to(device)
+        if _dtype(dtype) != torch.float32:
+            transformer = transformer.to(dtype=_dtype(dtype))
+        self.denoiser = transformer
+        self.text_encoder = text_encoder.to(device).eval().requires_grad_(False)
+        self._uncond: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    # -- protocol -----------------------------------------------------------------------------
+    def encode_prompts(self, prompts: list[str]) -> TensorDict:
+        with torch.no_grad():
+            seq, pooled = self.text_encoder.encode(list(prompts))
+            neg_seq, neg_pooled = self.text_encoder.encode([""])
+        n = len(prompts)
+        dtype = next(self.denoiser.parameters()).dtype
+        return TensorDict(
+            {
+                "prompt_embeds": seq.to(dtype),
+                "pooled_prompt_embeds": pooled.to(dtype),
+                "negative_prompt_embeds": neg_seq.expand(n, -1, -1).to(dtype).clone(),
+                "negative_pooled_prompt_embeds": neg_pooled.expand(n, -1).to(dtype).clone(),
+            },
+            batch_size=[n],
+        )
+
+    def default_prompts(self) -> list[str]:
+        return all_prompts()
+
+    def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
+        return (3, height, width)
+
+    def predict(self, latents: torch.Tensor, sigma: torch.Tensor, cond: TensorDict, guidance_scale: float) -> torch.Tensor:
+        dtype = next(self.denoiser.parameters()).dtype
+        sigma = torch.as_tensor(sigma, dtype=torch.float32, device=latents.device).expand(latents.shape[0])
+        if guidance_scale == 1.0:
+            return self._forward(latents.to(dtype), sigma, cond["prompt_embeds"], cond["pooled_prompt_embeds"])
+        out = self._forward(
+            torch.cat([latents, latents]).to(dtype),
+            torch.cat([sigma, sigma]),
+            torch.cat([cond["negative_prompt_embeds"], cond["prompt_embeds"]]),
+            torch.cat([cond["negative_pooled_prompt_embeds"], cond["pooled_prompt_embeds"]]),
+        )
+        return self.combine_guidance(out, guidance_scale)
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        return ((latents.float() + 1.0) / 2.0).clamp(0.0, 1.0)
+
+    # -- helpers --------------------------------------------------------------------------------
+    def _forward(self, x, sigma, seq, pooled) -> torch.Tensor:
+        return self.denoiser(
+            hidden_states=x, encoder_hidden_states=seq, pooled_projections=pooled, timestep=1000.0 * sigma,
+            return_dict=False,
+        )[0]
+
+    @staticmethod
+    def images_to_latents(images: torch.Tensor) -> torch.Tensor:
+        """Float images in [0, 1] → latents in [-1, 1] (pixel space)."""
+        return images * 2.0 - 1.0
+
+    def save_pretrained(self, folder: str | Path) -> None:
+        folder = Path(folder)
+        self.denoiser.save_pretrained(str(folder / "transformer"), safe_serialization=True)
+        self.text_encoder.save_pretrained(folder / "text_encoder")

@@ -1,0 +1,72 @@
+"""The digits miniature's reward and gold metric.
+
+``digits``: ``p_reward(digit | image) · p_reward(colour | image)`` from the shipped CNN reward
+classifier, in [0, 1] (unit: probability). ``digits_gold``: 1 when the independently trained gold
+judge's argmax digit and colour both match the prompt, else 0 — used for evaluation only.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from pipelines.digits.classifiers import DigitsClassifier
+from pipelines.digits.data import parse_prompt
+from rewards.base import Reward, register_reward
+
+
+def _targets(prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    parsed = [parse_prompt(p) for p in prompts]
+    return torch.tensor([d for d, _ in parsed]), torch.tensor([c for _, c in parsed])
+
+
+@torch.no_grad()
+def judge_correct(judge: DigitsClassifier, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+    """``[B]`` bool: the classifier's argmax digit and colour both match each prompt."""
+    digit, colour = _targets(prompts)
+    d_logits, c_logits = judge(images.float() / 255.0)
+    return (d_logits.argmax(-1) == digit) & (c_logits.argmax(-1) == colour)
+
+
+def _default_folder(name: str) -> Path:
+    from pipelines.digits import ASSET_DIR
+
+    return ASSET_DIR / name
+
+
+@register_reward("digits")
+class DigitsReward(Reward):
+    """Probability of the prompt's digit × probability of its colour under the reward classifier.
+
+    Args:
+        path: folder of the reward classifier (default: the shipped ``assets/digits/reward_classifier``).
+    """
+
+    unit = "probability in [0, 1]"
+
+    def __init__(self, path: str | None = None, device: str = "cpu"):
+        self.device = device
+        self.model = DigitsClassifier.from_pretrained(path or _default_folder("reward_classifier")).to(device)
+
+    @torch.no_grad()
+    def __call__(self, images: torch.Tensor, prompts: list[str], metadata=None) -> dict[str, torch.Tensor]:
+        digit, colour = _targets(prompts)
+        d_logits, c_logits = self.model(images.to(self.device).float() / 255.0)
+        p_digit = d_logits.softmax(-1).gather(1, digit.to(self.device)[:, None])[:, 0]
+        p_colour = c_logits.softmax(-1).gather(1, colour.to(self.device)[:, None])[:, 0]
+        return {self.name: (p_digit * p_colour).cpu()}
+
+
+@register_reward("digits_gold")
+class DigitsGold(Reward):
+    """Gold accuracy: 1.0 when the independent gold judge reads the prompt's digit and colour, else 0.0."""
+
+    unit = "accuracy in {0, 1}"
+
+    def __init__(self, path: str | None = None, device: str = "cpu"):
+        self.device = device
+        self.model = DigitsClassifier.from_pretrained(path or _default_folder("gold_classifier")).to(device)
+
+    def __call__(self, images: torch.Tensor, prompts: list[str], metadata=None) -> dict[str, torch.Tensor]:
+        return {self.name: judge_correct(self.model, images.to(self.device), prompts).float().cpu()}

@@ -1,0 +1,27 @@
+"""Shared fixtures: tiny random digits models (seconds on CPU) and the shipped assets."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+@pytest.fixture
+def tiny_adapter():
+    """The digits family's tiny random configuration (no weights loaded)."""
+    from pipelines.digits import DigitsAdapter
+
+    return DigitsAdapter(path=None, seed=0)
+
+
+def randomise_lora(module: torch.nn.Module, scale: float = 0.05, seed: int = 0) -> None:
+    """Give every LoRA B matrix non-zero values so the adapter changes the model's output."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if "lora_B" in name:
+                p.copy_(scale * torch.randn(p.shape, generator=g))
