@@ -93,8 +93,10 @@ class AlgorithmConfig:
 
 @dataclass
 class RewardConfig:
-    weights: dict[str, float] = field(default_factory=lambda: {"digits": 1.0})
-    """reward name (registry, entry point or module:Class) → weight of its sum"""
+    names: list[str] = field(default_factory=lambda: ["digits"])
+    """rewards to optimise: registry names, entry points or module:Class paths"""
+    weights: list[float] = field(default_factory=list)
+    """weight of each reward in the sum (empty: 1.0 each)"""
     options: dict[str, Any] = field(default_factory=dict)
     """reward name → keyword arguments of its constructor"""
     gold: Optional[str] = "digits_gold"

@@ -96,9 +96,12 @@ class Trainer:
         if not self.prompts:
             raise ValueError(f"model family {cfg.model.family!r} has no built-in prompts; set trainer.prompts=<file>")
         options = OmegaConf.to_container(cfg.reward.options, resolve=True)
-        self.rewards = {name: (build_reward(name, **options.get(name, {})), float(w)) for name, w in cfg.reward.weights.items()}
-        if not self.rewards:
-            raise ValueError("reward.weights is empty: give at least one reward")
+        names, weights = list(cfg.reward.names), list(cfg.reward.weights) or [1.0] * len(cfg.reward.names)
+        if not names:
+            raise ValueError("reward.names is empty: give at least one reward")
+        if len(weights) != len(names):
+            raise ValueError(f"reward.weights has {len(weights)} entries for {len(names)} reward.names; give one weight per reward")
+        self.rewards = {name: (build_reward(name, **options.get(name, {})), float(w)) for name, w in zip(names, weights)}
         self.eval_metrics = {name: fn for name, (fn, _) in self.rewards.items()}
         self.gold_name = cfg.reward.gold
         if self.gold_name:

@@ -1,0 +1,101 @@
+"""Bad input fails loudly, names the cause, and loses nothing already written."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from diffrl.checkpoint import list_checkpoints, load_engine
+from diffrl.cli import main
+from diffrl.config import ConfigError, compose
+from diffrl.engine import DiffusionEngine, EngineSettings
+from diffrl.logging import read_jsonl
+from diffrl.rollout import SamplerSettings
+from pipelines.digits import DigitsAdapter
+from rewards.base import Reward, RewardError, register_reward, score
+
+SHORT = ["trainer.steps=2", "trainer.prompts_per_step=2", "trainer.group_size=4", "trainer.eval_seeds_per_prompt=1",
+         "trainer.progress=false", "algorithm.mini_batch_size=null", "sampler.num_steps=4", "sampler.eval_num_steps=4"]
+
+
+def test_unknown_config_key_is_named():
+    with pytest.raises(ConfigError, match=r"unknown config key 'trainer\.stepz'.*steps"):
+        compose(["trainer.stepz=3"])
+    with pytest.raises(ConfigError, match=r"unknown config key 'algorithm\.klbeta'.*kl_beta"):
+        compose(["+algorithm.klbeta=0.1"])
+
+
+def test_cli_unknown_key_exits_with_message(capsys):
+    assert main(["train", "model.lora.rnk=4"]) == 2
+    err = capsys.readouterr().err
+    assert "model.lora.rnk" in err and "rank" in err
+
+
+def test_missing_asset_path_is_named(tmp_path, capsys):
+    missing = tmp_path / "no_such_model"
+    assert main(["train", f"model.path={missing}", f"trainer.output_dir={tmp_path / 'run'}", *SHORT]) == 2
+    assert str(missing) in capsys.readouterr().err
+    partial = tmp_path / "partial"
+    (partial / "transformer").mkdir(parents=True)
+    (partial / "transformer" / "config.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match="diffusion_pytorch_model.safetensors"):
+        DigitsAdapter(path=str(partial))
+
+
+def test_reward_output_checked_names_reward_and_sample():
+    images = torch.zeros(3, 3, 16, 16, dtype=torch.uint8)
+    prompts = ["a red one"] * 3
+
+    def nan_at_one(images, prompts, metadata):
+        return {"nanny": torch.tensor([0.5, float("nan"), 0.1])}
+
+    with pytest.raises(RewardError, match=r"reward 'nanny' returned nan for sample 1"):
+        score({"nanny": (nan_at_one, 1.0)}, images, prompts)
+    with pytest.raises(RewardError, match=r"reward 'short'.*shape \(2,\)"):
+        score({"short": (lambda i, p, m: {"short": torch.zeros(2)}, 1.0)}, images, prompts)
+
+
+@register_reward("test_nan_after_first_call")
+class NanAfterFirstCall(Reward):
+    """Finite on its first call, NaN afterwards: a reward that breaks mid-run."""
+
+    calls = 0
+
+    def __call__(self, images, prompts, metadata=None):
+        type(self).calls += 1
+        value = torch.full((images.shape[0],), 0.5) if type(self).calls <= 2 else torch.full((images.shape[0],), float("nan"))
+        return {self.name: value + torch.arange(images.shape[0]) * 0.01}
+
+
+def test_nan_reward_mid_run_keeps_what_was_written(tmp_path, capsys):
+    """Call 1 is the evaluation before training, call 2 step 1, call 3 (step 2) is NaN."""
+    out = tmp_path / "run"
+    code = main(["train", f"trainer.output_dir={out}", "reward.names=[test_nan_after_first_call]", "reward.gold=null",
+                 "trainer.checkpoint_every=1", *SHORT])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "test_nan_after_first_call" in err and "sample 0" in err
+    records = read_jsonl(out / "metrics.jsonl")
+    assert [r["kind"] for r in records] == ["eval", "train"]  # everything finished before the failure is kept
+    ckpts = list_checkpoints(out / "checkpoints")
+    assert [p.name for p in ckpts] == ["step_000001"]
+    engine = DiffusionEngine(DigitsAdapter(path=str(Path(__file__).resolve().parents[1] / "assets" / "digits")), EngineSettings(), SamplerSettings(num_steps=4))
+    state = load_engine(engine, ckpts[0])  # the checkpoint written before the failure is complete and loads
+    assert state["global_step"] == 1
+    assert not (out / "summary.json").exists()
+    # a second run into the same folder refuses instead of overwriting
+    assert main(["train", f"trainer.output_dir={out}", *SHORT]) == 2
+    assert "already holds a run" in capsys.readouterr().err
+    assert len(read_jsonl(out / "metrics.jsonl")) == 2
+
+
+def test_console_script_entry_point_runs():
+    """`python -m diffrl.cli` (what the `diffrl` script calls) reports a bad key and exits 2."""
+    proc = subprocess.run([sys.executable, "-m", "diffrl.cli", "train", "trainer.nope=1"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "trainer.nope" in proc.stderr
