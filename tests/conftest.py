@@ -10,6 +10,15 @@ import torch
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
+@pytest.fixture(scope="module")
+def single_thread():
+    """Tiny tensors: one intra-op thread avoids oversubscription on a shared CPU (and keeps runs fast)."""
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(prev)
+
+
 @pytest.fixture
 def tiny_adapter():
     """The digits family's tiny random configuration (no weights loaded)."""

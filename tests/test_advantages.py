@@ -20,12 +20,7 @@ CENTRED = [-2.0, -0.5, -1.0, 0.0, 0.5, 3.0, 0.0]
 EPS = 1e-4
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def _close(got: torch.Tensor, expected: list[float], tol: float = 1e-6):

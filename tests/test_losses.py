@@ -11,12 +11,7 @@ from tensordict import TensorDict
 from diffrl.losses import LOSSES, flow_grpo_loss, gaussian_kl_same_std, get_loss, make_step_loss
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 # Six samples, clip range 0.2. Per sample: ratio, advantage, max(-A r, -A clip(r)), which branch wins.

@@ -20,13 +20,7 @@ from diffrl.sde import (
 B, C, H, W = 3, 2, 4, 4
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """Tiny tensors: one intra-op thread avoids oversubscription on a shared CPU (and keeps runs fast)."""
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def _inputs(seed: int = 0, dtype=torch.float32):

@@ -7,19 +7,16 @@ up as a gap between reward and gold accuracy.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import torch
-from safetensors.torch import load_file, save_file
 from torch import nn
 
 from pipelines.digits.data import COLOUR_NAMES
+from pipelines.digits.io import JsonSafetensorsMixin
 
 ARCHITECTURES = ("cnn", "strided_cnn", "mlp")
 
 
-class DigitsClassifier(nn.Module):
+class DigitsClassifier(JsonSafetensorsMixin, nn.Module):
     """Two heads (10 digits, 6 colours) over a small trunk.
 
     Args:
@@ -62,19 +59,3 @@ class DigitsClassifier(nn.Module):
         """``images [B, 3, 16, 16]`` in [0, 1] → (digit logits ``[B, 10]``, colour logits ``[B, 6]``)."""
         h = self.trunk(images * 2.0 - 1.0)
         return self.digit_head(h), self.colour_head(h)
-
-    def save_pretrained(self, folder: str | Path) -> None:
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "config.json").write_text(json.dumps(self.config, indent=2))
-        save_file({k: v.detach().contiguous() for k, v in self.state_dict().items()}, str(folder / "model.safetensors"))
-
-    @classmethod
-    def from_pretrained(cls, folder: str | Path) -> "DigitsClassifier":
-        folder = Path(folder)
-        for name in ("config.json", "model.safetensors"):
-            if not (folder / name).is_file():
-                raise FileNotFoundError(f"digits classifier file {folder / name} is missing")
-        model = cls(**json.loads((folder / "config.json").read_text()))
-        model.load_state_dict(load_file(str(folder / "model.safetensors")))
-        return model.eval()

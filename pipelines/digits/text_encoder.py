@@ -8,20 +8,17 @@ It plays the role of SD3's CLIP/T5 stack at miniature scale: ``encode(prompts)``
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import torch
-from safetensors.torch import load_file, save_file
 from torch import nn
 
 from pipelines.digits.data import COLOUR_NAMES, DIGIT_WORDS
+from pipelines.digits.io import JsonSafetensorsMixin
 
 PAD = "<pad>"
 DEFAULT_VOCAB = [PAD, "a", *COLOUR_NAMES, *DIGIT_WORDS]
 
 
-class DigitsTextEncoder(nn.Module):
+class DigitsTextEncoder(JsonSafetensorsMixin, nn.Module):
     """Whitespace tokenizer + learned word and position embeddings + a pooled projection.
 
     Args:
@@ -68,19 +65,3 @@ class DigitsTextEncoder(nn.Module):
     def encode(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         device = self.word_embedding.weight.device
         return self(self.tokenize(prompts).to(device))
-
-    def save_pretrained(self, folder: str | Path) -> None:
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "config.json").write_text(json.dumps(self.config, indent=2))
-        save_file({k: v.detach().contiguous() for k, v in self.state_dict().items()}, str(folder / "model.safetensors"))
-
-    @classmethod
-    def from_pretrained(cls, folder: str | Path) -> "DigitsTextEncoder":
-        folder = Path(folder)
-        for name in ("config.json", "model.safetensors"):
-            if not (folder / name).is_file():
-                raise FileNotFoundError(f"digits text encoder file {folder / name} is missing")
-        model = cls(**json.loads((folder / "config.json").read_text()))
-        model.load_state_dict(load_file(str(folder / "model.safetensors")))
-        return model
