@@ -8,6 +8,7 @@ Adapters are peft LoRA layers attached through diffusers' ``add_adapter``.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Iterator
 
 import torch
@@ -73,7 +74,9 @@ def _ensure_adapter(module: nn.Module, source: str, target: str) -> None:
         raise ValueError(f"adapter {source!r} does not exist; adapters: {sorted(configs)}")
     if target not in configs:
         active = list(module.active_adapters()) if hasattr(module, "active_adapters") else [source]
-        module.add_adapter(configs[source], adapter_name=target)
+        with warnings.catch_warnings():  # peft warns that a second adapter is being added: that is the point
+            warnings.filterwarnings("ignore", message="Already found a `peft_config` attribute")
+            module.add_adapter(configs[source], adapter_name=target)
         module.set_adapter(active[0] if len(active) == 1 else active)
         for p in adapter_parameters(module, target).values():
             p.requires_grad_(False)
