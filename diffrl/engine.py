@@ -58,10 +58,6 @@ class EngineSettings:
     optim: OptimConfig = field(default_factory=OptimConfig)
 
 
-def _rows(batch: TensorDict, key: str) -> torch.Tensor:
-    return batch.get(key)
-
-
 class DiffusionEngine:
     """Policy training/inference for one model adapter on one device.
 
