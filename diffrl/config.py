@@ -44,7 +44,7 @@ class SamplerConfig:
     num_steps: int = 10
     """denoising steps K of rollouts"""
     step_kind: str = "flow_sde"
-    """stochastic step of rollouts (diffrl.sde.STEP_KINDS)"""
+    """stochastic step of rollouts: flow_sde | dance_sde | cps (diffrl.sde.STEP_KINDS)"""
     noise_level: float = 0.7
     """noise scale of the stochastic step (Flow-GRPO's a)"""
     guidance_scale: float = 1.0

@@ -112,6 +112,80 @@ def flow_sde_step(
     return _finish(mean, std, sample.dtype, generator, prev_sample)
 
 
+def dance_sde_step(
+    model_output: torch.Tensor,
+    sample: torch.Tensor,
+    sigma,
+    sigma_next,
+    *,
+    noise_level: float,
+    generator: Generators = None,
+    prev_sample: torch.Tensor | None = None,
+) -> StepOutput:
+    """DanceGRPO's SDE step (Xue et al. 2025, "DanceGRPO"): constant diffusion ``η = noise_level``.
+
+    The reverse-time SDE ``dx = [v − (η²/2)·∇log p_σ(x)] dσ + η dW`` discretised with Euler–Maruyama,
+    the score estimated from the velocity (``x̂0 = x − σ·v``, ``∇log p ≈ −(x − (1 − σ)·x̂0)/σ²``)::
+
+        mean = x + dσ·v − (η²/2)·score·dσ,     std = η·√|dσ|,     dσ = σ_next − σ < 0
+    """
+    if noise_level <= 0:
+        raise ValueError(f"dance_sde_step needs noise_level > 0 (got {noise_level}); use the 'ode' step for deterministic sampling")
+    v = model_output.float()
+    x = sample.float()
+    s = _per_sample(sigma, x)
+    dt = _per_sample(sigma_next, x) - s
+    if bool((dt >= 0).any()):
+        raise ValueError("dance_sde_step needs sigma_next < sigma for every sample")
+    x0_hat = x - s * v
+    score = -(x - (1 - s) * x0_hat) / s**2
+    mean = x + dt * v - 0.5 * noise_level**2 * score * dt
+    std = noise_level * torch.sqrt(-dt)
+    return _finish(mean, std, sample.dtype, generator, prev_sample)
+
+
+def cps_step(
+    model_output: torch.Tensor,
+    sample: torch.Tensor,
+    sigma,
+    sigma_next,
+    *,
+    noise_level: float,
+    generator: Generators = None,
+    prev_sample: torch.Tensor | None = None,
+) -> StepOutput:
+    """Coefficient-preserving sampling (Wang & Yu 2025, "Coefficients-Preserving Sampling for RL
+    with Flow Matching"): re-noise the predicted sample so the next state keeps the exact coefficients
+    of a point on the flow path, ``(1 − σ_next)·x0 + σ_next·ε``::
+
+        x̂0 = x − σ·v,   ε̂ = x + (1 − σ)·v,   std = σ_next·sin(a·π/2)
+        mean = (1 − σ_next)·x̂0 + √(σ_next² − std²)·ε̂,   prev = mean + std·z
+
+    The noise it injects is O(σ), not O(√dt): with posterior-mean predictions (x̂0 = E[x0|x]) it
+    shrinks the variance of the samples, so its marginals are not the flow's; what it preserves is the
+    coefficient identity above for the exact (x0, ε) pair.
+
+    ``log_prob`` is **unnormalised**, as in the CPS reference: ``−mean_dims (prev − mean)²`` (no
+    division by the variance, no normalising constant). Ratios of it are what the loss uses; it is not a
+    density. At ``σ_next = 0`` the step is deterministic (``std = 0``; a drawn sample scores 0).
+    """
+    v = model_output.float()
+    x = sample.float()
+    s = _per_sample(sigma, x)
+    s_next = _per_sample(sigma_next, x)
+    if bool((s_next >= s).any()):
+        raise ValueError("cps_step needs sigma_next < sigma for every sample")
+    x0_hat = x - s * v
+    eps_hat = x + (1 - s) * v
+    std = s_next * math.sin(noise_level * math.pi / 2)
+    mean = (1 - s_next) * x0_hat + torch.sqrt((s_next**2 - std**2).clamp_min(0.0)) * eps_hat
+    if prev_sample is None:
+        prev_sample = (mean + std * randn_per_sample(mean.shape, generator, mean.device)).to(sample.dtype)
+    sq = (prev_sample.detach().float() - mean) ** 2
+    log_prob = -sq.mean(dim=tuple(range(1, sq.ndim)))
+    return StepOutput(prev_sample=prev_sample, mean=mean, std=std.expand_as(mean), log_prob=log_prob)
+
+
 def ode_step(
     model_output: torch.Tensor,
     sample: torch.Tensor,
@@ -135,7 +209,12 @@ def ode_step(
     return StepOutput(prev_sample=out, mean=mean, std=torch.zeros_like(mean), log_prob=zeros)
 
 
-STEP_KINDS: dict[str, Callable[..., StepOutput]] = {"flow_sde": flow_sde_step, "ode": ode_step}
+STEP_KINDS: dict[str, Callable[..., StepOutput]] = {
+    "flow_sde": flow_sde_step,
+    "dance_sde": dance_sde_step,
+    "cps": cps_step,
+    "ode": ode_step,
+}
 DETERMINISTIC_KINDS = frozenset({"ode"})
 
 

@@ -306,7 +306,7 @@ def test_flow_sde_per_sample_generators_batch_invariant():
 def test_get_step_registry():
     assert get_step("flow_sde") is flow_sde_step
     assert get_step("ode") is ode_step
-    assert set(STEP_KINDS) == {"flow_sde", "ode"}
+    assert set(STEP_KINDS) == {"flow_sde", "dance_sde", "cps", "ode"}
     assert DETERMINISTIC_KINDS == frozenset({"ode"})
     with pytest.raises(ValueError, match="no_such_kind"):
         get_step("no_such_kind")
