@@ -68,6 +68,16 @@ def gaussian_log_prob(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) ->
     return lp.mean(dim=tuple(range(1, lp.ndim)))
 
 
+def _require_noise(noise_level: float, step_name: str) -> None:
+    if noise_level <= 0:
+        raise ValueError(f"{step_name} needs noise_level > 0 (got {noise_level}); use the 'ode' step for deterministic sampling")
+
+
+def _require_decreasing(dt: torch.Tensor, step_name: str) -> None:
+    if bool((dt >= 0).any()):
+        raise ValueError(f"{step_name} needs sigma_next < sigma for every sample")
+
+
 def _finish(mean, std, sample_dtype, generator, prev_sample) -> StepOutput:
     if prev_sample is None:
         noise = randn_per_sample(mean.shape, generator, mean.device)
@@ -96,15 +106,13 @@ def flow_sde_step(
     At ``σ = 1`` the ratio ``σ/(1 − σ)`` is infinite; as in Flow-GRPO the denominator then uses the
     next sigma of the schedule (``1 − σ_next``).
     """
-    if noise_level <= 0:
-        raise ValueError(f"flow_sde_step needs noise_level > 0 (got {noise_level}); use the 'ode' step for deterministic sampling")
+    _require_noise(noise_level, "flow_sde_step")
     v = model_output.float()
     x = sample.float()
     s = _per_sample(sigma, x)
     s_next = _per_sample(sigma_next, x)
     dt = s_next - s
-    if bool((dt >= 0).any()):
-        raise ValueError("flow_sde_step needs sigma_next < sigma for every sample")
+    _require_decreasing(dt, "flow_sde_step")
     denom = torch.where(s >= 1.0, 1.0 - s_next, 1.0 - s)
     std_t = noise_level * torch.sqrt(s / denom)
     mean = x * (1 + std_t**2 / (2 * s) * dt) + v * (1 + std_t**2 * (1 - s) / (2 * s)) * dt
@@ -129,14 +137,12 @@ def dance_sde_step(
 
         mean = x + dσ·v − (η²/2)·score·dσ,     std = η·√|dσ|,     dσ = σ_next − σ < 0
     """
-    if noise_level <= 0:
-        raise ValueError(f"dance_sde_step needs noise_level > 0 (got {noise_level}); use the 'ode' step for deterministic sampling")
+    _require_noise(noise_level, "dance_sde_step")
     v = model_output.float()
     x = sample.float()
     s = _per_sample(sigma, x)
     dt = _per_sample(sigma_next, x) - s
-    if bool((dt >= 0).any()):
-        raise ValueError("dance_sde_step needs sigma_next < sigma for every sample")
+    _require_decreasing(dt, "dance_sde_step")
     x0_hat = x - s * v
     score = -(x - (1 - s) * x0_hat) / s**2
     mean = x + dt * v - 0.5 * noise_level**2 * score * dt
@@ -173,8 +179,7 @@ def cps_step(
     x = sample.float()
     s = _per_sample(sigma, x)
     s_next = _per_sample(sigma_next, x)
-    if bool((s_next >= s).any()):
-        raise ValueError("cps_step needs sigma_next < sigma for every sample")
+    _require_decreasing(s_next - s, "cps_step")
     x0_hat = x - s * v
     eps_hat = x + (1 - s) * v
     std = s_next * math.sin(noise_level * math.pi / 2)
