@@ -43,10 +43,28 @@ class ModelConfig:
 class SamplerConfig:
     num_steps: int = 10
     """denoising steps K of rollouts"""
-    step_kind: str = "flow_sde"
-    """stochastic step of rollouts: flow_sde | dance_sde | cps (diffrl.sde.STEP_KINDS)"""
+    kind: str = "flow_sde"
+    """step of stochastic rollout steps: flow_sde | dance_sde | cps | ddim; ode | dpm2 sample deterministically"""
     noise_level: float = 0.7
-    """noise scale of the stochastic step (Flow-GRPO's a)"""
+    """noise scale of the stochastic step (Flow-GRPO's a, DanceGRPO's η, DDIM's η)"""
+    ode_solver: str = "ode"
+    """solver of the steps outside the SDE window: ode (Euler) | dpm2 (DPM-Solver++(2M))"""
+    window: str = "all"
+    """training window: all | fraction | fast (Flow-GRPO-Fast) | mixgrpo | random (DanceGRPO)"""
+    timestep_fraction: float = 1.0
+    """fraction of steps trained by the fraction and random windows"""
+    window_size: int = 2
+    """SDE steps in the fast and mixgrpo windows"""
+    window_range: list[int] = field(default_factory=list)
+    """[start, end) of the steps the fast/mixgrpo window may cover (empty: all steps)"""
+    window_shift: int = 1
+    """MixGRPO: steps the window moves towards low noise each time"""
+    window_shift_every: int = 25
+    """MixGRPO: RL steps between moves"""
+    window_frozen: bool = False
+    """MixGRPO: keep the window at its start"""
+    same_initial_noise: bool = False
+    """samples of one prompt group share their initial noise"""
     guidance_scale: float = 1.0
     """classifier-free guidance scale; 1 runs no unconditional branch"""
     shift: Optional[float] = None

@@ -22,7 +22,7 @@ from tensordict import TensorDict
 
 from diffrl import adapters as lora
 from diffrl.rollout import SamplerSettings
-from diffrl.sde import DETERMINISTIC_KINDS, get_step
+from diffrl.sde import is_deterministic, run_step
 
 
 @dataclass(kw_only=True)
@@ -138,14 +138,19 @@ class DiffusionEngine:
         x_next = latents[:, k + 1].to(device)
         sigma = batch["sigmas"][:, k].to(device)
         sigma_next = batch["sigmas"][:, k + 1].to(device)
-        v = adapter.predict(x, sigma, batch["cond"].to(device), self.sampler.guidance_scale)
-        step = get_step(self.sampler.step_kind)
-        return step(v, x, sigma, sigma_next, noise_level=self.sampler.noise_level, prev_sample=x_next)
+        out = adapter.predict(x, sigma, batch["cond"].to(device), self.sampler.guidance_scale)
+        return run_step(
+            self.sampler.step_kind, out, x, sigma, sigma_next, noise_level=self.sampler.noise_level,
+            prediction_type=getattr(self.adapter, "prediction_type", "flow"), prev_sample=x_next,
+        )
 
     def _trained_steps(self, batch: TensorDict) -> list[int]:
         mask = batch["sde_mask"]
-        if self.sampler.step_kind in DETERMINISTIC_KINDS:
-            raise ValueError(f"step kind {self.sampler.step_kind!r} is deterministic: it has no log-prob to train on")
+        if is_deterministic(self.sampler.step_kind, self.sampler.noise_level):
+            raise ValueError(
+                f"step kind {self.sampler.step_kind!r} (noise_level {self.sampler.noise_level}) is deterministic: "
+                "it has no log-prob to train on; use a stochastic kind (flow_sde, dance_sde, cps, ddim with η > 0)"
+            )
         if not bool((mask == mask[:1]).all()):
             raise ValueError("trajectories of one mini-batch must share the same sde_mask")
         return [k for k in range(mask.shape[1]) if bool(mask[0, k])]

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from tensordict import NonTensorStack, TensorDict
 
-from diffrl.sde import get_step, randn_per_sample
+from diffrl.sde import ODE_SOLVERS, is_deterministic, randn_per_sample, run_step
 
 _MASK64 = (1 << 64) - 1
 
@@ -43,8 +43,10 @@ class SamplerSettings:
 
     Attributes:
         num_steps: denoising steps K.
-        step_kind: step function of stochastic steps (``diffrl.sde.STEP_KINDS``).
-        noise_level: the step kind's noise scale (Flow-GRPO's ``a``).
+        step_kind: step function of stochastic steps (``diffrl.sde.STEP_KINDS``); a deterministic kind
+            (``ode``, ``dpm2``, ``ddim`` with η = 0) samples every step with itself.
+        noise_level: the step kind's noise scale (Flow-GRPO's ``a``, DDIM's η).
+        ode_solver: solver of the non-stochastic steps: ``ode`` (Euler) or ``dpm2``.
         guidance_scale: CFG scale; 1 runs no unconditional branch.
         shift: sigma-schedule shift; ``None`` takes the family's.
         height, width: image size in pixels.
@@ -53,6 +55,7 @@ class SamplerSettings:
     num_steps: int
     step_kind: str = "flow_sde"
     noise_level: float = 0.7
+    ode_solver: str = "ode"
     guidance_scale: float = 1.0
     shift: float | None = None
     height: int = 16
@@ -72,6 +75,8 @@ def sample_trajectories(
     settings: SamplerSettings,
     seeds: list[int],
     sde_mask: torch.Tensor | None = None,
+    stochastic_mask: torch.Tensor | None = None,
+    init_seeds: list[int] | None = None,
     group_id: torch.Tensor | None = None,
     micro_batch_size: int | None = None,
 ) -> TensorDict:
@@ -82,47 +87,69 @@ def sample_trajectories(
         prompts: ``B`` prompts.
         settings: sampler settings.
         seeds: ``B`` per-sample generator seeds (see :func:`sample_seed`).
-        sde_mask: ``[K]`` bool, steps drawn with ``settings.step_kind`` (others with the ODE step);
-            default all steps stochastic (all ODE when ``step_kind == "ode"``).
+        sde_mask: ``[K]`` bool, the trained steps (stochastic, log-probs recorded); default all steps
+            (none when the step kind is deterministic).
+        stochastic_mask: ``[K]`` bool, steps drawn with ``settings.step_kind`` (a superset of
+            ``sde_mask``; the others use ``settings.ode_solver``); default ``sde_mask``.
+        init_seeds: ``B`` seeds of the initial noise (equal within a group for shared initial noise);
+            default: the initial noise is the first draw of each sample's own generator.
         group_id: ``[B]`` group of each sample (default: one group per distinct prompt position).
         micro_batch_size: samples per forward (default all ``B``).
 
     Returns:
         The trajectory TensorDict of DESIGN.md with batch size ``[B]``: ``latents [B, K+1, …]``,
-        ``sigmas [B, K+1]``, ``log_probs [B, K]``, ``sde_mask [B, K]``, ``cond``, ``images`` (uint8),
-        ``group_id``, ``seeds`` and the non-tensor ``prompts``.
+        ``sigmas [B, K+1]``, ``log_probs [B, K]`` (recorded at stochastic steps, 0 elsewhere),
+        ``sde_mask [B, K]`` (trained steps), ``cond``, ``images`` (uint8), ``group_id``, ``seeds``
+        and the non-tensor ``prompts``.
     """
     if len(seeds) != len(prompts):
         raise ValueError(f"got {len(seeds)} seeds for {len(prompts)} prompts")
+    if init_seeds is not None and len(init_seeds) != len(prompts):
+        raise ValueError(f"got {len(init_seeds)} init_seeds for {len(prompts)} prompts")
+    if settings.ode_solver not in ODE_SOLVERS:
+        raise ValueError(f"unknown sampler.ode_solver {settings.ode_solver!r}; choose one of {ODE_SOLVERS}")
     K = settings.num_steps
     sigmas = adapter.schedule(K, settings.shift)
+    deterministic = is_deterministic(settings.step_kind, settings.noise_level)
     if sde_mask is None:
-        sde_mask = torch.full((K,), settings.step_kind != "ode", dtype=torch.bool)
-    if sde_mask.shape != (K,):
-        raise ValueError(f"sde_mask must have shape [{K}], got {tuple(sde_mask.shape)}")
+        sde_mask = torch.full((K,), not deterministic, dtype=torch.bool)
+    if stochastic_mask is None:
+        stochastic_mask = sde_mask
+    for name, mask in (("sde_mask", sde_mask), ("stochastic_mask", stochastic_mask)):
+        if mask.shape != (K,):
+            raise ValueError(f"{name} must have shape [{K}], got {tuple(mask.shape)}")
+    if bool((sde_mask & ~stochastic_mask).any()):
+        raise ValueError("sde_mask marks a step as trained that is not stochastic (not in stochastic_mask)")
+    if deterministic and bool(sde_mask.any()):
+        raise ValueError(f"step kind {settings.step_kind!r} at noise_level {settings.noise_level} is deterministic: no step can be trained")
     B = len(prompts)
     mb = micro_batch_size or B
     device = adapter.device
+    prediction_type = getattr(adapter, "prediction_type", "flow")
     unique = list(dict.fromkeys(prompts))
     encoded = adapter.encode_prompts(unique)
     cond = encoded[torch.tensor([unique.index(p) for p in prompts])]
     if group_id is None:
         group_id = torch.tensor([unique.index(p) for p in prompts], dtype=torch.long)
-    sde_step = get_step(settings.step_kind)
-    ode = get_step("ode")
+    kinds = [settings.step_kind if deterministic or bool(stochastic_mask[k]) else settings.ode_solver for k in range(K)]
 
     all_latents, all_log_probs, all_images = [], [], []
     for start in range(0, B, mb):
         sl = slice(start, min(start + mb, B))
         gens = make_generators(seeds[sl])
         c = cond[sl].to(device)
-        x = randn_per_sample((sl.stop - sl.start, *adapter.latent_shape(settings.height, settings.width)), gens, device)
-        latents, log_probs = [x], []
+        shape = (sl.stop - sl.start, *adapter.latent_shape(settings.height, settings.width))
+        x = randn_per_sample(shape, gens if init_seeds is None else make_generators(init_seeds[sl]), device)
+        latents, log_probs, history = [x], [], None
         for k in range(K):
             sigma = sigmas[k].expand(x.shape[0]).to(device)
-            v = adapter.predict(x, sigma, c, settings.guidance_scale)
-            step = sde_step if bool(sde_mask[k]) else ode
-            out = step(v, x, sigmas[k].item(), sigmas[k + 1].item(), noise_level=settings.noise_level, generator=gens)
+            out_model = adapter.predict(x, sigma, c, settings.guidance_scale)
+            out = run_step(
+                kinds[k], out_model, x, sigmas[k].item(), sigmas[k + 1].item(), noise_level=settings.noise_level,
+                prediction_type=prediction_type, generator=gens, history=history,
+            )
+            if prediction_type == "flow":  # x̂0 for the multistep solver's next step
+                history = (x.float() - sigmas[k].item() * out_model.float(), sigmas[k].item())
             x = out.prev_sample
             latents.append(x)
             log_probs.append(out.log_prob)

@@ -2,10 +2,13 @@
 
 ``sigma ∈ [0, 1]``, 1 = pure noise. A shifted schedule maps a uniform grid ``s`` through
 ``σ = shift·s / (1 + (shift − 1)·s)`` (SD3's time shift, Esser et al. 2024), which for shift > 1 spends
-more steps at high noise.
+more steps at high noise. Training windows (:class:`TrainingWindow`) pick, per RL step, which steps are
+drawn with the SDE and trained.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -27,3 +30,127 @@ def shifted_sigmas(num_steps: int, shift: float = 1.0) -> torch.Tensor:
 def logit_normal_sigmas(n: int, *, mean: float = 0.0, std: float = 1.0, generator: torch.Generator | None = None) -> torch.Tensor:
     """``n`` training sigmas ``sigmoid(N(mean, std²))`` (SD3's logit-normal timestep sampling)."""
     return torch.sigmoid(mean + std * torch.randn(n, generator=generator))
+
+
+# ------------------------------------------------------------------------------------------------
+# Training windows: which denoising steps are stochastic (SDE) and which of those are trained
+# ------------------------------------------------------------------------------------------------
+
+WINDOW_KINDS = ("all", "fraction", "fast", "mixgrpo", "random")
+
+
+@dataclass(frozen=True)
+class WindowMasks:
+    """Masks ``[K]`` of one RL step: ``stochastic`` steps are drawn with the SDE (others with the ODE
+    solver), ``trained`` steps (a subset) get a policy-gradient update."""
+
+    stochastic: torch.Tensor
+    trained: torch.Tensor
+
+
+class TrainingWindow:
+    """Selects the SDE/trained steps of each RL step; its state is saved with the checkpoint.
+
+    Kinds:
+        ``all``: every step stochastic and trained (Flow-GRPO).
+        ``fraction``: every step stochastic, the first ``max(1, int(K·timestep_fraction))`` trained
+            (Flow-GRPO's ``timestep_fraction``; the high-noise end).
+        ``fast``: Flow-GRPO-Fast: a window of ``size`` consecutive SDE steps starting at a random step in
+            ``[range_start, range_end − size]``, drawn per RL step from ``(seed, step)``; ODE elsewhere;
+            the window is trained.
+        ``mixgrpo``: MixGRPO (Li et al. 2025): a window of ``size`` SDE steps that starts at the
+            high-noise end and moves ``shift`` steps towards low noise every ``shift_every`` RL steps,
+            stopping at the last position (``frozen``: it never moves); ODE elsewhere; trained.
+        ``random``: DanceGRPO: every step stochastic, a random subset of
+            ``max(1, int(K·timestep_fraction))`` steps trained, drawn per RL step from ``(seed, step)``.
+
+    ``fast`` and ``random`` windows are functions of ``(seed, step)``, so a resumed run redraws them;
+    the MixGRPO window's position is state (:meth:`state_dict`) advanced by :meth:`advance` once per
+    RL step.
+    """
+
+    def __init__(
+        self,
+        kind: str,
+        num_steps: int,
+        *,
+        seed: int = 0,
+        timestep_fraction: float = 1.0,
+        size: int = 2,
+        range_start: int = 0,
+        range_end: int | None = None,
+        shift: int = 1,
+        shift_every: int = 25,
+        frozen: bool = False,
+    ):
+        if kind not in WINDOW_KINDS:
+            raise ValueError(f"unknown sampler.window {kind!r}; choose one of {WINDOW_KINDS}")
+        if not 0.0 < timestep_fraction <= 1.0:
+            raise ValueError(f"sampler.timestep_fraction must be in (0, 1], got {timestep_fraction}")
+        self.kind, self.num_steps, self.seed = kind, num_steps, seed
+        self.timestep_fraction = timestep_fraction
+        self.size, self.shift, self.shift_every, self.frozen = size, shift, shift_every, frozen
+        self.range_start = range_start
+        self.range_end = num_steps if range_end is None else range_end
+        if kind in ("fast", "mixgrpo"):
+            if not 1 <= size <= num_steps:
+                raise ValueError(f"sampler.window_size={size} must be in [1, num_steps={num_steps}]")
+            if not 0 <= self.range_start <= self.range_end - size or self.range_end > num_steps:
+                raise ValueError(
+                    f"window range [{self.range_start}, {self.range_end}) cannot hold a window of {size} steps out of "
+                    f"{num_steps}; need 0 ≤ range_start ≤ range_end − window_size and range_end ≤ num_steps"
+                )
+            if kind == "mixgrpo" and (shift < 0 or shift_every < 1):
+                raise ValueError(f"MixGRPO needs window_shift ≥ 0 and window_shift_every ≥ 1, got {shift} and {shift_every}")
+        self.position = self.range_start
+        self.count = 0
+
+    @property
+    def n_trained(self) -> int:
+        return max(1, int(self.num_steps * self.timestep_fraction))
+
+    def _generator(self, step: int) -> torch.Generator:
+        from diffrl.rollout import sample_seed
+
+        return torch.Generator().manual_seed(sample_seed(self.seed, step, -7, 0))
+
+    def masks(self, step: int) -> WindowMasks:
+        """The masks of RL step ``step`` (0-based)."""
+        K = self.num_steps
+        stochastic = torch.zeros(K, dtype=torch.bool)
+        trained = torch.zeros(K, dtype=torch.bool)
+        if self.kind == "all":
+            stochastic[:] = True
+            trained[:] = True
+        elif self.kind == "fraction":
+            stochastic[:] = True
+            trained[: self.n_trained] = True
+        elif self.kind == "random":
+            stochastic[:] = True
+            trained[torch.randperm(K, generator=self._generator(step))[: self.n_trained]] = True
+        else:
+            if self.kind == "fast":
+                high = self.range_end - self.size
+                start = self.range_start + int(torch.randint(0, high - self.range_start + 1, (1,), generator=self._generator(step)))
+            else:
+                start = self.position
+            stochastic[start : start + self.size] = True
+            trained[start : start + self.size] = True
+        return WindowMasks(stochastic=stochastic, trained=trained)
+
+    def advance(self) -> None:
+        """Called once after each RL step: moves the MixGRPO window."""
+        self.count += 1
+        if self.kind == "mixgrpo" and not self.frozen and self.count % self.shift_every == 0:
+            self.position = min(self.position + self.shift, self.range_end - self.size)
+
+    def state_dict(self) -> dict:
+        return {"kind": self.kind, "num_steps": self.num_steps, "position": self.position, "count": self.count}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("kind") != self.kind or state.get("num_steps") != self.num_steps:
+            raise ValueError(
+                f"checkpoint window state is for window {state.get('kind')!r} over {state.get('num_steps')} steps, "
+                f"the config asks for {self.kind!r} over {self.num_steps}; resume with the run's own sampler settings"
+            )
+        self.position, self.count = int(state["position"]), int(state["count"])

@@ -35,12 +35,14 @@ class StepOutput:
         mean: the Gaussian mean of the transition ``[B, …]`` (fp32).
         std: its standard deviation, broadcastable to ``mean`` (fp32; 0 for ODE kinds).
         log_prob: ``[B]`` mean over non-batch dims of the Gaussian log-density of ``prev_sample``.
+        x0: the step's clean-sample prediction ``x̂0`` where the kind computes it (dpm2's history), else None.
     """
 
     prev_sample: torch.Tensor
     mean: torch.Tensor
     std: torch.Tensor
     log_prob: torch.Tensor
+    x0: torch.Tensor | None = None
 
 
 def randn_per_sample(shape: Sequence[int], generator: Generators, device, dtype=torch.float32) -> torch.Tensor:
@@ -214,13 +216,129 @@ def ode_step(
     return StepOutput(prev_sample=out, mean=mean, std=torch.zeros_like(mean), log_prob=zeros)
 
 
+def ddim_step(
+    model_output: torch.Tensor,
+    sample: torch.Tensor,
+    sigma,
+    sigma_next,
+    *,
+    noise_level: float = 1.0,
+    generator: Generators = None,
+    prev_sample: torch.Tensor | None = None,
+    prediction_type: str = "epsilon",
+) -> StepOutput:
+    """DDIM (Song et al. 2021, "Denoising Diffusion Implicit Models", eq. 12) with ``η = noise_level``;
+    the transition DDPO (Black et al. 2024) scores.
+
+    A sample is ``x = α·x0 + σ·ε``. For epsilon-prediction models (``prediction_type="epsilon"``) the
+    schedule is variance preserving and ``sigma = √(1 − ᾱ)``, ``α = √ᾱ = √(1 − σ²)`` (the model's DDPM
+    ᾱ schedule, expressed as a noise level in [0, 1]); for flow models (``"flow"``, velocity output)
+    ``α = 1 − σ``. With the predictions ``x̂0``, ``ε̂``::
+
+        c    = η·σ_next·√(1 − α²·σ_next² / (α_next²·σ²))      (= η·√β̃_t in the VP case)
+        mean = α_next·x̂0 + √(σ_next² − c²)·ε̂,      prev = mean + c·z
+
+    ``η = 0`` is deterministic (``std = 0``, ``log_prob = 0``), as is a step to ``σ_next = 0`` (``c = 0``);
+    ``η = 1`` gives the DDPM posterior
+    variance ``β̃_t = (1 − ᾱ_prev)/(1 − ᾱ_t)·(1 − ᾱ_t/ᾱ_prev)``.
+    """
+    if noise_level < 0:
+        raise ValueError(f"ddim_step needs noise_level (η) ≥ 0, got {noise_level}")
+    x = sample.float()
+    s = _per_sample(sigma, x)
+    s_next = _per_sample(sigma_next, x)
+    _require_decreasing(s_next - s, "ddim_step")
+    out = model_output.float()
+    if prediction_type == "epsilon":
+        alpha, alpha_next = torch.sqrt((1 - s**2).clamp_min(0.0)), torch.sqrt((1 - s_next**2).clamp_min(0.0))
+        eps_hat = out
+        x0_hat = (x - s * eps_hat) / alpha
+    elif prediction_type == "flow":
+        alpha, alpha_next = 1 - s, 1 - s_next
+        x0_hat = x - s * out
+        eps_hat = x + (1 - s) * out
+    else:
+        raise ValueError(f"ddim_step: unknown prediction_type {prediction_type!r}; use 'epsilon' or 'flow'")
+    ratio = (alpha * s_next) ** 2 / ((alpha_next * s) ** 2)
+    var = noise_level**2 * s_next**2 * (1 - ratio).clamp_min(0.0)
+    std = torch.sqrt(var)
+    mean = alpha_next * x0_hat + torch.sqrt((s_next**2 - var).clamp_min(0.0)) * eps_hat
+    if noise_level == 0:
+        out_sample = mean.to(sample.dtype) if prev_sample is None else prev_sample
+        zeros = torch.zeros(x.shape[0], device=x.device)
+        return StepOutput(prev_sample=out_sample, mean=mean, std=torch.zeros_like(mean), log_prob=zeros, x0=x0_hat)
+    if prev_sample is None:
+        prev_sample = (mean + std * randn_per_sample(mean.shape, generator, mean.device)).to(sample.dtype)
+    # rows stepping to σ_next = 0 have no variance left: they are deterministic and score 0
+    noisy = std.flatten(1)[:, 0] > 0
+    safe_std = torch.where(std > 0, std, torch.ones_like(std))
+    log_prob = torch.where(noisy, gaussian_log_prob(prev_sample.detach().float(), mean, safe_std), torch.zeros_like(noisy, dtype=torch.float32))
+    return StepOutput(prev_sample=prev_sample, mean=mean, std=std.expand_as(mean), log_prob=log_prob, x0=x0_hat)
+
+
+def dpm2_step(
+    model_output: torch.Tensor,
+    sample: torch.Tensor,
+    sigma,
+    sigma_next,
+    *,
+    noise_level: float = 0.0,
+    generator: Generators = None,
+    prev_sample: torch.Tensor | None = None,
+    history: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> StepOutput:
+    """Second-order multistep solver of the flow ODE: DPM-Solver++(2M) (Lu et al. 2022, "DPM-Solver++",
+    Algorithm 2) in data-prediction form for ``x = α·x0 + σ·ε`` with ``α = 1 − σ``.
+
+    With ``λ = log(α/σ)``, ``h = λ_next − λ``, the data prediction ``x̂0 = x − σ·v`` and the previous
+    step's ``(x̂0_prev, σ_prev)`` in ``history`` (``r = h_prev / h``)::
+
+        D      = (1 + 1/(2r))·x̂0 − 1/(2r)·x̂0_prev
+        x_next = (σ_next/σ)·x − α_next·(e^{−h} − 1)·D
+
+    Without history (the first step), and at ``σ_next = 0`` (the last step, where ``h = ∞``), it is the
+    first-order update, which for flows equals the Euler step exactly. Deterministic: ``std = 0``,
+    ``log_prob = 0``; ``StepOutput.x0`` carries ``x̂0`` as the next step's history.
+    """
+    x = sample.float()
+    s = _per_sample(sigma, x)
+    s_next = _per_sample(sigma_next, x)
+    _require_decreasing(s_next - s, "dpm2_step")
+    x0_hat = x - s * model_output.float()
+    a, a_next = 1 - s, 1 - s_next
+    # first-order (DDIM) coefficient of x̂0: α_next·(1 − e^{−h}) = α_next − σ_next·α/σ
+    c0 = a_next - s_next * a / s
+    data = x0_hat
+    if history is not None and bool((s_next > 0).all()) and bool((a > 0).all()):
+        x0_prev, s_prev = history
+        s_prev = _per_sample(s_prev, x)
+        lam = lambda a_, s_: torch.log(a_) - torch.log(s_)
+        h = lam(a_next, s_next) - lam(a, s)
+        h_prev = lam(a, s) - lam((1 - s_prev).clamp_min(1e-12), s_prev)
+        r = h_prev / h
+        data = (1 + 1 / (2 * r)) * x0_hat - (1 / (2 * r)) * x0_prev.float()
+    mean = (s_next / s) * x + c0 * data
+    out = mean.to(sample.dtype) if prev_sample is None else prev_sample
+    zeros = torch.zeros(x.shape[0], device=x.device)
+    return StepOutput(prev_sample=out, mean=mean, std=torch.zeros_like(mean), log_prob=zeros, x0=x0_hat)
+
+
 STEP_KINDS: dict[str, Callable[..., StepOutput]] = {
     "flow_sde": flow_sde_step,
     "dance_sde": dance_sde_step,
     "cps": cps_step,
     "ode": ode_step,
+    "dpm2": dpm2_step,
+    "ddim": ddim_step,
 }
-DETERMINISTIC_KINDS = frozenset({"ode"})
+FLOW_ONLY_KINDS = frozenset({"flow_sde", "dance_sde", "cps", "ode", "dpm2"})
+ODE_SOLVERS = ("ode", "dpm2")
+
+
+def is_deterministic(kind: str, noise_level: float) -> bool:
+    """True when step ``kind`` at ``noise_level`` draws no noise (no log-prob to train on)."""
+    get_step(kind)
+    return kind in ("ode", "dpm2") or (kind == "ddim" and noise_level == 0)
 
 
 def get_step(kind: str) -> Callable[..., StepOutput]:
@@ -228,3 +346,35 @@ def get_step(kind: str) -> Callable[..., StepOutput]:
     if kind not in STEP_KINDS:
         raise ValueError(f"unknown sampler step kind {kind!r}; known kinds: {sorted(STEP_KINDS)}")
     return STEP_KINDS[kind]
+
+
+def run_step(
+    kind: str,
+    model_output: torch.Tensor,
+    sample: torch.Tensor,
+    sigma,
+    sigma_next,
+    *,
+    noise_level: float,
+    prediction_type: str = "flow",
+    generator: Generators = None,
+    prev_sample: torch.Tensor | None = None,
+    history: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> StepOutput:
+    """Call step ``kind`` with the extras it takes (``prediction_type`` for ddim, ``history`` for dpm2).
+
+    Raises:
+        ValueError: a flow-only kind on an epsilon-prediction model (use ``ddim``).
+    """
+    fn = get_step(kind)
+    if kind in FLOW_ONLY_KINDS and prediction_type != "flow":
+        raise ValueError(
+            f"step kind {kind!r} needs a flow-matching (velocity) model, this model predicts {prediction_type!r}; "
+            "use sampler.step_kind=ddim"
+        )
+    extra = {}
+    if kind == "ddim":
+        extra["prediction_type"] = prediction_type
+    elif kind == "dpm2":
+        extra["history"] = history
+    return fn(model_output, sample, sigma, sigma_next, noise_level=noise_level, generator=generator, prev_sample=prev_sample, **extra)

@@ -28,6 +28,7 @@ from diffrl.evaluation import eval_prompts_and_seeds, evaluate
 from diffrl.logging import JsonlWriter, Progress, save_grid
 from diffrl.losses import make_step_loss
 from diffrl.rollout import SamplerSettings, sample_seed
+from diffrl.schedules import TrainingWindow
 from diffrl.workers import ActorRolloutRefWorker, TrainingWorkerConfig
 from rewards.base import build_reward, score
 
@@ -46,6 +47,18 @@ def read_prompt_file(path: str | Path) -> list[str]:
     return prompts
 
 
+def build_window(cfg: DictConfig) -> TrainingWindow:
+    s = cfg.sampler
+    window_range = list(s.window_range) or [0, s.num_steps]
+    if len(window_range) != 2:
+        raise ValueError(f"sampler.window_range must be [start, end), got {window_range}")
+    return TrainingWindow(
+        s.window, s.num_steps, seed=cfg.trainer.seed, timestep_fraction=s.timestep_fraction, size=s.window_size,
+        range_start=window_range[0], range_end=window_range[1], shift=s.window_shift, shift_every=s.window_shift_every,
+        frozen=s.window_frozen,
+    )
+
+
 def worker_config(cfg: DictConfig) -> TrainingWorkerConfig:
     a, m, s = cfg.algorithm, cfg.model, cfg.sampler
     return TrainingWorkerConfig(
@@ -57,7 +70,7 @@ def worker_config(cfg: DictConfig) -> TrainingWorkerConfig:
             optim=OptimConfig(lr=a.lr, weight_decay=a.weight_decay, max_grad_norm=a.max_grad_norm),
         ),
         sampler=SamplerSettings(
-            num_steps=s.num_steps, step_kind=s.step_kind, noise_level=s.noise_level,
+            num_steps=s.num_steps, step_kind=s.kind, noise_level=s.noise_level, ode_solver=s.ode_solver,
             guidance_scale=s.guidance_scale, shift=s.shift, height=s.height, width=s.width,
         ),
     )
@@ -87,6 +100,7 @@ class Trainer:
                 "choose another trainer.output_dir"
             )
         torch.manual_seed(t.seed)
+        self.window = build_window(cfg)
         self.worker = ActorRolloutRefWorker(worker_config(cfg), role="actor_rollout_ref")
         self.worker.init_model()
         a = cfg.algorithm
@@ -130,6 +144,11 @@ class Trainer:
             batch_size=[len(prompts) * G],
         )
         td["prompts"] = NonTensorStack(*[p for p in prompts for _ in range(G)])
+        if self.cfg.sampler.same_initial_noise:
+            td["init_seeds"] = torch.tensor([sample_seed(t.seed, step, j, -1) for j in range(len(prompts)) for _ in range(G)])
+        masks = self.window.masks(step)
+        td.set_non_tensor("sde_mask", masks.trained)
+        td.set_non_tensor("stochastic_mask", masks.stochastic)
         if self.cfg.sampler.micro_batch_size:
             td.set_non_tensor("micro_batch_size", int(self.cfg.sampler.micro_batch_size))
         return td
@@ -172,7 +191,7 @@ class Trainer:
                     log.write({"step": done, "kind": "eval", **last_eval})
                     progress.write(f"eval at step {done}: {self._eval_line(last_eval)}")
                 if (t.checkpoint_every and done % t.checkpoint_every == 0) or done == t.steps:
-                    self.worker.save_checkpoint(self.output_dir / "checkpoints", global_step=done, extra_state={"experiment": cfg.experiment})
+                    self.worker.save_checkpoint(self.output_dir / "checkpoints", global_step=done, extra_state=self.trainer_state())
         finally:
             progress.close()
             log.close()
@@ -205,6 +224,7 @@ class Trainer:
         traj.set_non_tensor("seed", int(t.seed * 1000003 + step))
         out = self.worker.update_actor(traj).get_non_tensor("metrics")
         self.worker.update_weights(step + 1)
+        self.window.advance()
         times["time/train"] = time.perf_counter() - start
 
         rewards = scores["rewards"]
@@ -219,6 +239,10 @@ class Trainer:
         record["first_ratio_mean"] = out["ratio_mean"][0] if "ratio_mean" in out else None
         record.update(times)
         return record
+
+    def trainer_state(self) -> dict:
+        """JSON state saved next to the weights: what a resume needs beyond the engine."""
+        return {"experiment": self.cfg.experiment, "window": self.window.state_dict()}
 
     @staticmethod
     def _eval_line(metrics: dict) -> str:

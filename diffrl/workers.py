@@ -161,7 +161,8 @@ class ActorRolloutRefWorker:
 
     def generate_sequences(self, data: TensorDict) -> TensorDict:
         """Sample trajectories: ``data`` holds non-tensor ``prompts`` and tensor ``seeds``, ``group_id``,
-        and optionally ``sde_mask [K]``; sampler settings come from the config."""
+        optionally ``init_seeds`` and the non-tensor flags ``sde_mask [K]``, ``stochastic_mask [K]``,
+        ``micro_batch_size``; sampler settings come from the config."""
         if not self._is_rollout:
             raise RuntimeError(f"generate_sequences needs a rollout role, this worker is {self.role!r}")
         prompts = list(data.get("prompts").tolist()) if hasattr(data.get("prompts"), "tolist") else list(data.get("prompts"))
@@ -169,7 +170,8 @@ class ActorRolloutRefWorker:
         self.actor.engine.module.eval()
         td = sample_trajectories(
             self.actor.adapter, prompts, settings=self.config.sampler, seeds=data["seeds"].tolist(),
-            sde_mask=get_flag(data, "sde_mask"), group_id=data["group_id"],
+            sde_mask=get_flag(data, "sde_mask"), stochastic_mask=get_flag(data, "stochastic_mask"),
+            init_seeds=data["init_seeds"].tolist() if "init_seeds" in data.keys() else None, group_id=data["group_id"],
             micro_batch_size=get_flag(data, "micro_batch_size"),
         )
         td.set_non_tensor("metrics", {"rollout_seconds": time.perf_counter() - start, "weights_version": self.weights_version})

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from diffrl.sde import (
-    DETERMINISTIC_KINDS,
     STEP_KINDS,
     flow_sde_step,
     gaussian_log_prob,
     get_step,
+    is_deterministic,
     ode_step,
     randn_per_sample,
 )
@@ -306,7 +306,7 @@ def test_flow_sde_per_sample_generators_batch_invariant():
 def test_get_step_registry():
     assert get_step("flow_sde") is flow_sde_step
     assert get_step("ode") is ode_step
-    assert set(STEP_KINDS) == {"flow_sde", "dance_sde", "cps", "ode"}
-    assert DETERMINISTIC_KINDS == frozenset({"ode"})
+    assert set(STEP_KINDS) == {"flow_sde", "dance_sde", "cps", "ode", "dpm2", "ddim"}
+    assert [k for k in sorted(STEP_KINDS) if is_deterministic(k, 0.7)] == ["dpm2", "ode"]
     with pytest.raises(ValueError, match="no_such_kind"):
         get_step("no_such_kind")
