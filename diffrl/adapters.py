@@ -48,6 +48,30 @@ def adapters_disabled(module: nn.Module) -> Iterator[None]:
         module.enable_adapters()
 
 
+@contextlib.contextmanager
+def adapter_active(module: nn.Module, name: str, restore: str = "default") -> Iterator[None]:
+    """Run ``module`` with LoRA adapter ``name`` active (e.g. DiffusionNFT's ``"old"`` policy), then
+    re-activate ``restore``. peft makes the active adapter's parameters trainable, so ``restore``'s
+    ``requires_grad`` flags come back with it."""
+    configs = getattr(module, "peft_config", {})
+    if name not in configs:
+        raise ValueError(f"adapter {name!r} does not exist; adapters: {sorted(configs)} (call copy_adapter first)")
+    module.set_adapter(name)
+    try:
+        yield
+    finally:
+        module.set_adapter(restore)
+        for n, p in module.named_parameters():
+            if "lora_" in n and f".{restore}." not in n + ".":
+                p.requires_grad_(False)
+
+
+def ensure_adapter(module: nn.Module, name: str, source: str = "default") -> None:
+    """Create adapter ``name`` as a frozen copy of ``source`` unless it exists."""
+    if name not in getattr(module, "peft_config", {}):
+        copy_adapter(module, source, name)
+
+
 def copy_adapter(module: nn.Module, source: str = "default", target: str = "old") -> None:
     """``target ← source`` (creates ``target`` with the source's LoRA config if missing; frozen)."""
     _ensure_adapter(module, source, target)

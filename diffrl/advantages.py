@@ -5,9 +5,14 @@
 ``std`` is the reward std of sample i's group (``std_mode="group"``, GRPO), the std of the whole
 batch (``"global"``, Flow-GRPO's default, which keeps low-variance groups from being amplified), or 1
 (``"none"``, Dr.GRPO). Stds are population stds (``unbiased=False``).
+
+Also: ``group_std_keep_mask`` (drop zero-variance groups), ``PerPromptStatTracker`` (DDPO's per-prompt
+running statistics) and ``aggregate_rewards`` (several weighted rewards).
 """
 
 from __future__ import annotations
+
+from collections import deque
 
 import torch
 
@@ -51,3 +56,175 @@ def group_advantages(
         std = torch.ones_like(r)
         eps = 0.0
     return (centred / (std + eps)).clamp(-clip_max, clip_max)
+
+
+def _group_index(group_id: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``(inverse [B], n_groups)``: dense 0-based group index of each sample."""
+    _, inverse = torch.unique(group_id, return_inverse=True)
+    return inverse, int(inverse.max()) + 1 if inverse.numel() else 0
+
+
+def group_std_keep_mask(
+    rewards: torch.Tensor,
+    group_id: torch.Tensor,
+    *,
+    min_std: float = 0.0,
+) -> tuple[torch.Tensor, int]:
+    """Drop groups whose rewards carry no signal (DAPO's dynamic sampling, Yu et al. 2025; Flow-GRPO logs it).
+
+        keep_i = std_{g(i)}(r) > min_std          (population std of sample i's group)
+
+    A group whose rewards are all equal counts as std 0 exactly, whatever the rounding of its mean; a
+    one-sample group has std 0 and is dropped.
+
+    Args:
+        rewards: ``[B]`` rewards.
+        group_id: ``[B]`` integer group of each sample.
+        min_std: threshold (≥ 0).
+    Returns:
+        ``(keep, n_dropped_groups)``: ``keep`` a ``[B]`` bool mask, ``n_dropped_groups`` an int.
+    """
+    if min_std < 0:
+        raise ValueError(f"min_std must be >= 0, got {min_std}")
+    if rewards.shape != group_id.shape or rewards.ndim != 1:
+        raise ValueError(f"rewards {tuple(rewards.shape)} and group_id {tuple(group_id.shape)} must both be [B]")
+    r = rewards.double()
+    inverse, n_groups = _group_index(group_id)
+    counts = torch.zeros(n_groups, dtype=r.dtype, device=r.device).index_add_(0, inverse, torch.ones_like(r))
+    means = torch.zeros(n_groups, dtype=r.dtype, device=r.device).index_add_(0, inverse, r) / counts
+    var = torch.zeros(n_groups, dtype=r.dtype, device=r.device).index_add_(0, inverse, (r - means[inverse]) ** 2) / counts
+    hi = torch.full((n_groups,), -torch.inf, dtype=r.dtype, device=r.device).scatter_reduce(0, inverse, r, "amax")
+    lo = torch.full((n_groups,), torch.inf, dtype=r.dtype, device=r.device).scatter_reduce(0, inverse, r, "amin")
+    group_keep = (var.sqrt() > min_std) & (hi > lo)
+    return group_keep[inverse], int((~group_keep).sum())
+
+
+class PerPromptStatTracker:
+    """DDPO's per-prompt reward normaliser (Black et al. 2023, "Training Diffusion Models with RL", sec. 4.3).
+
+    Each prompt keeps a buffer of its last ``buffer_size`` rewards. ``update`` first appends the batch's
+    rewards of each prompt to its buffer, then
+
+        A_i = (r_i − mean_p) / (std_p + eps)
+
+    with ``mean_p``/``std_p`` (population std) of prompt p's buffer once it holds ``min_count`` rewards,
+    and of the whole current batch before that. The buffers are the tracker's whole state:
+    ``state_dict()`` is JSON-serialisable and ``load_state_dict`` restores it on resume.
+
+    Args:
+        buffer_size: rewards kept per prompt (≥ 1); older ones are evicted first.
+        min_count: buffer length from which the prompt's own statistics are used (0 ≤ min_count ≤ buffer_size).
+        eps: added to the std.
+    """
+
+    def __init__(self, buffer_size: int = 32, min_count: int = 16, eps: float = 1e-6):
+        if buffer_size < 1:
+            raise ValueError(f"buffer_size must be >= 1, got {buffer_size}")
+        if not 0 <= min_count <= buffer_size:
+            raise ValueError(f"min_count must be in [0, buffer_size={buffer_size}], got {min_count}")
+        self.buffer_size = int(buffer_size)
+        self.min_count = int(min_count)
+        self.eps = float(eps)
+        self.buffers: dict[str, deque[float]] = {}
+
+    def update(self, prompts: list[str], rewards: torch.Tensor) -> torch.Tensor:
+        """Record ``rewards [B]`` of ``prompts`` (B strings) and return ``[B]`` fp32 advantages."""
+        values = torch.as_tensor(rewards).detach().double().cpu()
+        if values.ndim != 1 or len(prompts) != values.shape[0]:
+            raise ValueError(f"got {len(prompts)} prompts for rewards of shape {tuple(values.shape)}; need one prompt per reward")
+        if not bool(torch.isfinite(values).all()):
+            raise ValueError("rewards contain NaN or inf; check the reward function")
+        batch_mean, batch_std = values.mean().item(), values.std(unbiased=False).item()
+        out = torch.empty_like(values)
+        by_prompt: dict[str, list[int]] = {}
+        for i, p in enumerate(prompts):
+            by_prompt.setdefault(p, []).append(i)
+        for p, idx in by_prompt.items():
+            buf = self.buffers.setdefault(p, deque(maxlen=self.buffer_size))
+            buf.extend(values[idx].tolist())
+            if len(buf) < self.min_count:
+                mean, std = batch_mean, batch_std
+            else:
+                stored = torch.tensor(list(buf), dtype=torch.float64)
+                mean, std = stored.mean().item(), stored.std(unbiased=False).item()
+            out[idx] = (values[idx] - mean) / (std + self.eps)
+        return out.float().to(torch.as_tensor(rewards).device)
+
+    def stats(self) -> dict[str, float]:
+        """Summary: ``num_prompts``, ``buffer_len_mean``/``min``/``max``, ``num_ready`` (≥ min_count)."""
+        lengths = [len(b) for b in self.buffers.values()]
+        return {
+            "num_prompts": len(lengths),
+            "buffer_len_mean": sum(lengths) / len(lengths) if lengths else 0.0,
+            "buffer_len_min": min(lengths, default=0),
+            "buffer_len_max": max(lengths, default=0),
+            "num_ready": sum(n >= self.min_count for n in lengths),
+        }
+
+    def clear(self) -> None:
+        self.buffers.clear()
+
+    def state_dict(self) -> dict:
+        """JSON-serialisable state: the settings and every prompt's buffer (oldest reward first)."""
+        return {
+            "buffer_size": self.buffer_size,
+            "min_count": self.min_count,
+            "eps": self.eps,
+            "buffers": {p: list(b) for p, b in self.buffers.items()},
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore ``state_dict()`` output; the settings must equal this tracker's."""
+        expected = {"buffer_size", "min_count", "eps", "buffers"}
+        if set(state) != expected:
+            raise ValueError(f"PerPromptStatTracker state needs keys {sorted(expected)}, got {sorted(state)}")
+        for key in ("buffer_size", "min_count", "eps"):
+            if state[key] != getattr(self, key):
+                raise ValueError(f"PerPromptStatTracker state has {key}={state[key]!r} but this tracker has {getattr(self, key)!r}")
+        self.buffers = {str(p): deque((float(v) for v in vals), maxlen=self.buffer_size) for p, vals in state["buffers"].items()}
+
+
+AGGREGATION_MODES = ("sum_rewards", "sum_advantages")
+
+
+def aggregate_rewards(
+    rewards: dict[str, torch.Tensor],
+    weights: dict[str, float],
+    group_id: torch.Tensor,
+    *,
+    mode: str = "sum_rewards",
+    **adv_kwargs,
+) -> torch.Tensor:
+    """Advantages from several weighted rewards.
+
+        "sum_rewards":    A = group_advantages(Σ_k w_k·r_k)
+        "sum_advantages": A = Σ_k w_k·group_advantages(r_k)
+
+    Only the rewards named in ``weights`` are used (others, e.g. logged components, are ignored).
+
+    Args:
+        rewards: name → ``[B]`` rewards.
+        weights: name → weight; every name must be a key of ``rewards``.
+        group_id: ``[B]`` integer group of each sample.
+        mode: ``"sum_rewards"`` | ``"sum_advantages"``.
+        **adv_kwargs: passed to ``group_advantages`` (``std_mode``, ``eps``, ``clip_max``).
+    Returns:
+        ``[B]`` fp32 advantages.
+    """
+    if mode not in AGGREGATION_MODES:
+        raise ValueError(f"unknown reward aggregation mode {mode!r}; choose one of {AGGREGATION_MODES}")
+    unknown = sorted(set(adv_kwargs) - {"std_mode", "eps", "clip_max"})
+    if unknown:
+        raise ValueError(f"unknown advantage options {unknown}; aggregate_rewards passes std_mode, eps, clip_max")
+    if not weights:
+        raise ValueError(f"weights is empty; give a weight to at least one of the rewards {sorted(rewards)}")
+    missing = sorted(set(weights) - set(rewards))
+    if missing:
+        raise ValueError(f"weights name rewards {missing} that were not computed; available rewards: {sorted(rewards)}")
+    for name in weights:
+        if rewards[name].shape != group_id.shape:
+            raise ValueError(f"reward {name!r} has shape {tuple(rewards[name].shape)}, group_id {tuple(group_id.shape)}")
+    if mode == "sum_rewards":
+        total = sum(float(w) * rewards[name].float() for name, w in weights.items())
+        return group_advantages(total, group_id, **adv_kwargs)
+    return sum(float(w) * group_advantages(rewards[name], group_id, **adv_kwargs) for name, w in weights.items())

@@ -83,14 +83,52 @@ class SamplerConfig:
 class AlgorithmConfig:
     name: str = "flow_grpo"
     """algorithm name (documentation and run naming)"""
+    trainer: str = "policy_gradient"
+    """trainer type: policy_gradient | preference (Diffusion-DPO) | nft (DiffusionNFT)"""
     loss: str = "flow_grpo"
-    """loss in the diffrl.losses registry"""
+    """policy-gradient loss in the diffrl.losses registry: flow_grpo | grpo_guard | ddpo"""
     clip_range: float = 0.2
     """PPO ratio clip ε"""
     kl_beta: float = 0.0
     """weight β of the KL to the reference (LoRA disabled)"""
+    kl_dt_scale: bool = False
+    """Flow-GRPO KL with the dt factor ((μ−μ_ref)²/(2σ_t²)) instead of the exact Gaussian KL"""
+    ratio_norm: bool = True
+    """grpo_guard: normalise the log-ratio (RatioNorm)"""
+    grad_reweight: bool = True
+    """grpo_guard: reweight each step's surrogate by 1/Δt"""
     adv_std_mode: str = "global"
-    """advantage normaliser: group | global | none"""
+    """advantage normaliser: group | global | none (Dr.GRPO)"""
+    adv_drop_zero_std: bool = False
+    """drop prompt groups whose rewards are all equal (counted in metrics)"""
+    adv_stat_tracker: bool = False
+    """DDPO's per-prompt stat tracker instead of the current group's statistics"""
+    adv_tracker_buffer: int = 32
+    """stat tracker: rewards kept per prompt"""
+    adv_tracker_min_count: int = 16
+    """stat tracker: rewards of a prompt needed before its own statistics are used"""
+    reward_aggregation: str = "sum_rewards"
+    """several rewards: sum_rewards (advantages of the weighted sum) | sum_advantages"""
+    dpo_beta: float = 2000.0
+    """Diffusion-DPO β (the reference code's beta_dpo)"""
+    dpo_num_timesteps: int = 4
+    """noise levels drawn per pair and update"""
+    preference_pairs: Optional[str] = None
+    """offline pairs (jsonl or parquet: prompt, image_0, image_1, label_0); null: online best/worst of each group"""
+    nft_beta: float = 1.0
+    """DiffusionNFT β"""
+    nft_adaptive_weight: bool = True
+    """DiffusionNFT's x0-space adaptively weighted loss"""
+    nft_num_timesteps: Optional[int] = None
+    """noise levels of the sampler schedule trained per sample (null: all K)"""
+    old_schedule: str = "linear_to_0_5"
+    """old-policy EMA decay: copy | linear_to_0_5 | delayed_linear | constant"""
+    old_decay_rate: Optional[float] = None
+    """decay increase per RL step (null: the schedule's default)"""
+    old_decay_max: Optional[float] = None
+    """largest decay (null: the schedule's default)"""
+    old_decay_delay: Optional[int] = None
+    """delayed_linear: RL steps at decay 0 (null: 75)"""
     adv_eps: float = 1e-4
     """added to the advantage std"""
     adv_clip_max: float = 5.0

@@ -73,6 +73,7 @@ class DiffusionEngine:
         self.sampler = sampler
         self.optimizer: torch.optim.Optimizer | None = None
         self._reference_copy = None
+        self._old_copy = None
         self.initialized = False
 
     # -- set-up -----------------------------------------------------------------------------------
@@ -100,6 +101,9 @@ class DiffusionEngine:
             for p in lora.adapter_parameters(module, "default").values():
                 p.requires_grad_(True)
         else:
+            # the reference of full fine-tuning is a frozen copy of the initial weights
+            self._reference_copy = copy.copy(self.adapter)
+            self._reference_copy.denoiser = copy.deepcopy(module).requires_grad_(False)
             module.requires_grad_(True)
         o = self.settings.optim
         self.optimizer = torch.optim.AdamW(self.trainable_parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
@@ -119,10 +123,61 @@ class DiffusionEngine:
             with lora.adapters_disabled(self.module):
                 yield self.adapter
             return
-        if self._reference_copy is None:
-            self._reference_copy = copy.copy(self.adapter)
-            self._reference_copy.denoiser = copy.deepcopy(self.module).requires_grad_(False)
         yield self._reference_copy
+
+    # -- the old policy (DiffusionNFT's sampling policy) -----------------------------------------
+    @property
+    def has_old(self) -> bool:
+        return "old" in getattr(self.module, "peft_config", {}) if self.uses_lora else self._old_copy is not None
+
+    def copy_to_old(self) -> None:
+        """old ← current (LoRA: the ``old`` adapter; full fine-tuning: a frozen copy of the denoiser)."""
+        self.ema_to_old(0.0)
+
+    def ema_to_old(self, decay: float) -> None:
+        """old ← decay·old + (1 − decay)·current; creates old as a copy of current the first time."""
+        if not 0.0 <= decay <= 1.0:
+            raise ValueError(f"EMA decay must be in [0, 1], got {decay}")
+        self.initialize()
+        if self.uses_lora:
+            if not self.has_old:
+                lora.copy_adapter(self.module, "default", "old")
+            else:
+                lora.ema_update_adapter(self.module, "default", "old", decay)
+            return
+        if self._old_copy is None:
+            self._old_copy = copy.copy(self.adapter)
+            self._old_copy.denoiser = copy.deepcopy(self.module).requires_grad_(False)
+            return
+        with torch.no_grad():
+            for p_old, p in zip(self._old_copy.denoiser.parameters(), self.module.parameters()):
+                p_old.mul_(decay).add_(p.detach(), alpha=1.0 - decay)
+
+    @contextlib.contextmanager
+    def old_policy(self):
+        """Yield the model adapter running as the old policy (created as a copy of current if missing)."""
+        if not self.has_old:
+            self.copy_to_old()
+        if self.uses_lora:
+            with lora.adapter_active(self.module, "old"):
+                yield self.adapter
+            return
+        yield self._old_copy
+
+    def old_state(self) -> dict[str, torch.Tensor]:
+        """The old policy's weights that the module's own parameters do not hold (full fine-tuning)."""
+        if self.uses_lora or self._old_copy is None:
+            return {}
+        return {n: p.detach() for n, p in self._old_copy.denoiser.named_parameters()}
+
+    def load_old_state(self, state: dict[str, torch.Tensor]) -> None:
+        if not state:
+            return
+        self.copy_to_old()
+        params = dict(self._old_copy.denoiser.named_parameters())
+        with torch.no_grad():
+            for name, value in state.items():
+                params[name].copy_(value)
 
     def to(self, device: str) -> None:
         self.module.to(device)
@@ -160,36 +215,44 @@ class DiffusionEngine:
         return [batch[i : i + size] for i in range(0, batch.shape[0], size)]
 
     # -- train / infer ----------------------------------------------------------------------------
-    def train_batch(self, batch: TensorDict, loss_fn) -> dict:
-        """One optimizer step on ``batch`` (trajectories × their trained steps, gradients accumulated).
+    def train_batch(self, batch: TensorDict, loss_fn, *, seed: int = 0) -> dict:
+        """One optimizer step on ``batch``, gradients accumulated over micro-batches.
 
-        Each (micro-batch, step) loss is weighted by ``rows / (B · n_steps)`` so the update equals the
-        mean over all trajectories and steps, whatever the micro-batch size.
+        Per-step losses (``make_step_loss``) run over the trajectories × their trained steps; objectives
+        with ``micro_losses`` (NFT, DPO) yield their own pieces. Each piece's loss is weighted by its
+        share of the batch, so the update equals the mean over all rows whatever the micro-batch size.
+        ``seed`` seeds the noise of objectives that draw it (with each sample's seed).
         """
         if loss_fn is None:
             raise RuntimeError("no loss function set: call set_loss_fn first")
         self.initialize()
         self.module.train()
-        steps = self._trained_steps(batch)
-        n_total = batch.shape[0] * len(steps)
         sums: dict[str, float] = defaultdict(float)
         loss_total = 0.0
         for micro in self._micro_batches(batch):
-            weight = micro.shape[0] / n_total
-            for k in steps:
-                out = self._score_step(self.adapter, micro, k)
-                step_out = {"log_prob": out.log_prob, "mean": out.mean, "std": out.std}
-                if getattr(loss_fn, "needs_reference", False):
-                    with torch.no_grad(), self.reference() as ref:
-                        ref_out = self._score_step(ref, micro, k)
-                    step_out.update(ref_mean=ref_out.mean, ref_log_prob=ref_out.log_prob)
-                loss, metrics = loss_fn(step_out, micro, k)
-                (loss * weight).backward()
-                loss_total += loss.item() * weight
+            share = micro.shape[0] / batch.shape[0]
+            for loss, weight, metrics in self._pieces(loss_fn, micro, seed):
+                (loss * share * weight).backward()
+                loss_total += loss.item() * share * weight
                 for name, value in metrics.items():
-                    sums[name] += value * weight
+                    sums[name] += value * share * weight
         grad_norm = self._optimizer_step()
         return {"loss": loss_total, "metrics": {**sums, "grad_norm": grad_norm, "lr": self.optimizer.param_groups[0]["lr"]}}
+
+    def _pieces(self, loss_fn, micro: TensorDict, seed: int):
+        if hasattr(loss_fn, "micro_losses"):
+            yield from loss_fn.micro_losses(self, micro, seed)
+            return
+        steps = self._trained_steps(micro)
+        for k in steps:
+            out = self._score_step(self.adapter, micro, k)
+            step_out = {"log_prob": out.log_prob, "mean": out.mean, "std": out.std}
+            if getattr(loss_fn, "needs_reference", False):
+                with torch.no_grad(), self.reference() as ref:
+                    ref_out = self._score_step(ref, micro, k)
+                step_out.update(ref_mean=ref_out.mean, ref_log_prob=ref_out.log_prob)
+            loss, metrics = loss_fn(step_out, micro, k)
+            yield loss, 1.0 / len(steps), metrics
 
     def _optimizer_step(self) -> float:
         params = self.trainable_parameters()

@@ -79,6 +79,7 @@ def sample_trajectories(
     init_seeds: list[int] | None = None,
     group_id: torch.Tensor | None = None,
     micro_batch_size: int | None = None,
+    record_means: bool = False,
 ) -> TensorDict:
     """Sample one trajectory per entry of ``prompts`` (repeat a prompt for a group).
 
@@ -95,6 +96,8 @@ def sample_trajectories(
             default: the initial noise is the first draw of each sample's own generator.
         group_id: ``[B]`` group of each sample (default: one group per distinct prompt position).
         micro_batch_size: samples per forward (default all ``B``).
+        record_means: also return ``means [B, K, …]``, each step's transition mean (GRPO-Guard's
+            RatioNorm needs the rollout's means).
 
     Returns:
         The trajectory TensorDict of DESIGN.md with batch size ``[B]``: ``latents [B, K+1, …]``,
@@ -133,14 +136,14 @@ def sample_trajectories(
         group_id = torch.tensor([unique.index(p) for p in prompts], dtype=torch.long)
     kinds = [settings.step_kind if deterministic or bool(stochastic_mask[k]) else settings.ode_solver for k in range(K)]
 
-    all_latents, all_log_probs, all_images = [], [], []
+    all_latents, all_log_probs, all_images, all_means = [], [], [], []
     for start in range(0, B, mb):
         sl = slice(start, min(start + mb, B))
         gens = make_generators(seeds[sl])
         c = cond[sl].to(device)
         shape = (sl.stop - sl.start, *adapter.latent_shape(settings.height, settings.width))
         x = randn_per_sample(shape, gens if init_seeds is None else make_generators(init_seeds[sl]), device)
-        latents, log_probs, history = [x], [], None
+        latents, log_probs, means, history = [x], [], [], None
         for k in range(K):
             sigma = sigmas[k].expand(x.shape[0]).to(device)
             out_model = adapter.predict(x, sigma, c, settings.guidance_scale)
@@ -153,9 +156,13 @@ def sample_trajectories(
             x = out.prev_sample
             latents.append(x)
             log_probs.append(out.log_prob)
+            if record_means:
+                means.append(out.mean.float().cpu())
         all_latents.append(torch.stack(latents, 1).float().cpu())
         all_log_probs.append(torch.stack(log_probs, 1).float().cpu())
         all_images.append(uint8_images(adapter.decode(x)).cpu())
+        if record_means:
+            all_means.append(torch.stack(means, 1))
 
     td = TensorDict(
         {
@@ -170,5 +177,7 @@ def sample_trajectories(
         },
         batch_size=[B],
     )
+    if record_means:
+        td["means"] = torch.cat(all_means)
     td["prompts"] = NonTensorStack(*prompts)
     return td

@@ -21,12 +21,10 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tensordict import NonTensorStack, TensorDict
 
-from diffrl import checkpoint
-from diffrl.advantages import group_advantages
+from diffrl import algorithms, checkpoint
 from diffrl.engine import EngineSettings, OptimConfig
 from diffrl.evaluation import eval_prompts_and_seeds, evaluate
 from diffrl.logging import JsonlWriter, Progress, save_grid
-from diffrl.losses import make_step_loss
 from diffrl.rollout import SamplerSettings, sample_seed
 from diffrl.schedules import TrainingWindow
 from diffrl.workers import ActorRolloutRefWorker, TrainingWorkerConfig
@@ -104,7 +102,7 @@ class Trainer:
         self.worker = ActorRolloutRefWorker(worker_config(cfg), role="actor_rollout_ref")
         self.worker.init_model()
         a = cfg.algorithm
-        self.worker.set_loss_fn(make_step_loss(a.loss, clip_range=a.clip_range, kl_beta=a.kl_beta))
+        self.worker.set_loss_fn(algorithms.build_loss(cfg))
         adapter = self.worker.actor.adapter
         self.prompts = read_prompt_file(t.prompts) if t.prompts else adapter.default_prompts()
         if not self.prompts:
@@ -120,6 +118,10 @@ class Trainer:
         self.gold_name = cfg.reward.gold
         if self.gold_name:
             self.eval_metrics[self.gold_name] = build_reward(self.gold_name, **options.get(self.gold_name, {}))
+        self.advantages = algorithms.AdvantageComputer(cfg, {name: w for name, (_, w) in self.rewards.items()})
+        self.offline_pairs = (
+            algorithms.load_offline_pairs(a.preference_pairs, adapter) if a.trainer == "preference" and a.preference_pairs else None
+        )
 
     # -- pieces ---------------------------------------------------------------------------------
     def step_prompts(self, step: int) -> list[str]:
@@ -146,9 +148,12 @@ class Trainer:
         td["prompts"] = NonTensorStack(*[p for p in prompts for _ in range(G)])
         if self.cfg.sampler.same_initial_noise:
             td["init_seeds"] = torch.tensor([sample_seed(t.seed, step, j, -1) for j in range(len(prompts)) for _ in range(G)])
-        masks = self.window.masks(step)
-        td.set_non_tensor("sde_mask", masks.trained)
-        td.set_non_tensor("stochastic_mask", masks.stochastic)
+        policy, trained, stochastic = algorithms.rollout_policy_and_masks(self.cfg, self.window.masks(step))
+        td.set_non_tensor("policy", policy)
+        td.set_non_tensor("sde_mask", trained)
+        td.set_non_tensor("stochastic_mask", stochastic)
+        if self.cfg.algorithm.loss == "grpo_guard" and self.cfg.algorithm.trainer == "policy_gradient":
+            td.set_non_tensor("record_means", True)
         if self.cfg.sampler.micro_batch_size:
             td.set_non_tensor("micro_batch_size", int(self.cfg.sampler.micro_batch_size))
         return td
@@ -178,17 +183,18 @@ class Trainer:
         progress = Progress(t.steps, enabled=t.progress, desc=cfg.experiment)
         try:
             before = self.evaluate(0)
-            log.write({"step": 0, "kind": "eval", **before})
+            log.write({"step": 0, "kind": "eval", **before, "wall_seconds": time.perf_counter() - wall_start})
             progress.write(f"eval before training: {self._eval_line(before)}")
             last_eval = before
             for step in range(t.steps):
                 record = self.train_step(step)
+                record["wall_seconds"] = time.perf_counter() - wall_start
                 log.write(record)
-                progress.update(reward=record["reward_mean"], loss=record["loss"])
+                progress.update(reward=record.get("reward_mean", float("nan")), loss=record.get("loss", float("nan")))
                 done = step + 1
                 if done % t.eval_every == 0 or done == t.steps:
                     last_eval = self.evaluate(done)
-                    log.write({"step": done, "kind": "eval", **last_eval})
+                    log.write({"step": done, "kind": "eval", **last_eval, "wall_seconds": time.perf_counter() - wall_start})
                     progress.write(f"eval at step {done}: {self._eval_line(last_eval)}")
                 if (t.checkpoint_every and done % t.checkpoint_every == 0) or done == t.steps:
                     self.worker.save_checkpoint(self.output_dir / "checkpoints", global_step=done, extra_state=self.trainer_state())
@@ -200,49 +206,40 @@ class Trainer:
         return summary
 
     def train_step(self, step: int) -> dict:
-        a, t = self.cfg.algorithm, self.cfg.trainer
+        a = self.cfg.algorithm
         times = {}
+        record = {"step": step + 1, "kind": "train"}
+        traj = scores = None
+        if a.trainer != "preference" or self.offline_pairs is None:
+            start = time.perf_counter()
+            traj = self.worker.generate_sequences(self.rollout_request(step))
+            times["time/rollout"] = time.perf_counter() - start
+            start = time.perf_counter()
+            scores = score(self.rewards, traj["images"], list(traj.get("prompts").tolist()), {"step": step})
+            times["time/reward"] = time.perf_counter() - start
+            rewards = scores["rewards"]
+            record.update(reward_mean=rewards.mean().item(), reward_std=rewards.std(unbiased=False).item())
+            for key, value in scores.items():
+                if key.startswith("reward/"):
+                    record[f"{key}_mean"] = value.mean().item()
         start = time.perf_counter()
-        traj = self.worker.generate_sequences(self.rollout_request(step))
-        times["time/rollout"] = time.perf_counter() - start
-
-        start = time.perf_counter()
-        prompts = list(traj.get("prompts").tolist())
-        scores = score(self.rewards, traj["images"], prompts, {"step": step})
-        for key, value in scores.items():
-            traj[key] = value
-        times["time/reward"] = time.perf_counter() - start
-
-        start = time.perf_counter()
-        traj["advantages"] = group_advantages(scores["rewards"], traj["group_id"], std_mode=a.adv_std_mode, eps=a.adv_eps, clip_max=a.adv_clip_max)
-        times["time/advantages"] = time.perf_counter() - start
-
-        start = time.perf_counter()
-        del traj["metrics"]
-        traj.set_non_tensor("mini_batch_size", int(a.mini_batch_size or traj.shape[0]))
-        traj.set_non_tensor("epochs", int(a.epochs))
-        traj.set_non_tensor("seed", int(t.seed * 1000003 + step))
-        out = self.worker.update_actor(traj).get_non_tensor("metrics")
+        update = {"policy_gradient": algorithms.policy_gradient_update, "preference": algorithms.preference_update, "nft": algorithms.nft_update}[a.trainer]
+        out, extra = update(self, traj, scores, step)
         self.worker.update_weights(step + 1)
         self.window.advance()
         times["time/train"] = time.perf_counter() - start
-
-        rewards = scores["rewards"]
-        record = {"step": step + 1, "kind": "train", "reward_mean": rewards.mean().item(), "reward_std": rewards.std(unbiased=False).item()}
-        for key, value in scores.items():
-            if key.startswith("reward/"):
-                record[f"{key}_mean"] = value.mean().item()
-        record["advantage_abs_mean"] = traj["advantages"].abs().mean().item()
-        for key in ("loss", "policy_loss", "kl", "approx_kl", "clipfrac", "ratio_mean", "ratio_std", "grad_norm", "lr"):
-            if key in out:
-                record[key] = sum(out[key]) / len(out[key])
-        record["first_ratio_mean"] = out["ratio_mean"][0] if "ratio_mean" in out else None
+        record.update(extra)
+        for key, values in out.items():
+            if isinstance(values, list) and values and isinstance(values[0], (int, float)):
+                record[key] = sum(values) / len(values)
+        if "ratio_mean" in out:
+            record["first_ratio_mean"] = out["ratio_mean"][0]
         record.update(times)
         return record
 
     def trainer_state(self) -> dict:
         """JSON state saved next to the weights: what a resume needs beyond the engine."""
-        return {"experiment": self.cfg.experiment, "window": self.window.state_dict()}
+        return {"experiment": self.cfg.experiment, "window": self.window.state_dict(), "advantages": self.advantages.state_dict()}
 
     @staticmethod
     def _eval_line(metrics: dict) -> str:

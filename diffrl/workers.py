@@ -7,6 +7,7 @@ In this version the workers run in-process (the embedded default).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ from tensordict import TensorDict
 from diffrl import adapters as lora
 from diffrl import checkpoint
 from diffrl.engine import DiffusionEngine, EngineSettings
-from diffrl.rollout import SamplerSettings, sample_trajectories
+from diffrl.rollout import SamplerSettings, sample_seed, sample_trajectories
 
 ROLES = ("actor", "rollout", "ref", "actor_rollout", "actor_rollout_ref")
 
@@ -77,9 +78,11 @@ class TrainingWorker:
         self.loss_fn = loss_fn
 
     def train_batch(self, data: TensorDict) -> TensorDict:
-        """One optimizer step on ``data`` (a mini-batch); returns ``metrics`` (non-tensor)."""
+        """One optimizer step on ``data`` (a mini-batch; flag ``seed`` seeds objectives' noise); returns
+        ``metrics`` (non-tensor)."""
+        seed = int(pop_flag(data, "seed", 0))
         start = time.perf_counter()
-        output = self.engine.train_batch(data, self.loss_fn)
+        output = self.engine.train_batch(data, self.loss_fn, seed=seed)
         metrics = dict(output["metrics"], loss=output["loss"], train_seconds=time.perf_counter() - start)
         return metrics_td(metrics)
 
@@ -92,32 +95,49 @@ class TrainingWorker:
         return out
 
     def train_mini_batch(self, data: TensorDict) -> TensorDict:
-        """Split ``data`` into mini-batches (``mini_batch_size``) and run ``epochs`` passes over them.
+        """Split ``data`` into mini-batches (``mini_batch_size``, or ``num_mini_batches`` near-equal ones)
+        and run ``epochs`` passes over them.
 
         The order within each epoch is a permutation seeded by ``seed + epoch``. Returns every
         optimizer step's metrics as lists under ``metrics``.
         """
         pop_flag(data, "disable_auto_offload", False)
         batch_size = data.shape[0]
-        mini_batch_size = int(pop_flag(data, "mini_batch_size", None) or batch_size)
+        mini_batch_size = pop_flag(data, "mini_batch_size", None)
+        num_mini_batches = pop_flag(data, "num_mini_batches", None)
         epochs = int(pop_flag(data, "epochs", 1))
         seed = int(pop_flag(data, "seed", 0))
-        if batch_size % mini_batch_size:
-            raise ValueError(f"batch of {batch_size} trajectories is not divisible by mini_batch_size={mini_batch_size}")
+        if num_mini_batches is None:
+            mini_batch_size = int(mini_batch_size or batch_size)
+            if batch_size % mini_batch_size:
+                raise ValueError(f"batch of {batch_size} trajectories is not divisible by mini_batch_size={mini_batch_size}")
+            num_mini_batches = batch_size // mini_batch_size
+        num_mini_batches = max(1, min(int(num_mini_batches), batch_size))
         collected: dict[str, list] = defaultdict(list)
         for epoch in range(epochs):
-            order = torch.randperm(batch_size, generator=torch.Generator().manual_seed(seed + epoch)) if epochs > 1 or mini_batch_size < batch_size else torch.arange(batch_size)
-            for start in range(0, batch_size, mini_batch_size):
-                out = self.train_batch(data[order[start : start + mini_batch_size]])
+            shuffle = epochs > 1 or num_mini_batches > 1
+            order = torch.randperm(batch_size, generator=torch.Generator().manual_seed(seed + epoch)) if shuffle else torch.arange(batch_size)
+            for index, rows in enumerate(torch.tensor_split(order, num_mini_batches)):
+                mini = data[rows]
+                mini.set_non_tensor("seed", sample_seed(seed, epoch, index, 3))
+                out = self.train_batch(mini)
                 for key, value in out.get_non_tensor("metrics").items():
                     collected[key].append(value)
         return metrics_td(dict(collected))
 
     def copy_adapter(self, source: str = "default", target: str = "old") -> None:
-        lora.copy_adapter(self.engine.module, source, target)
+        """``target ← source``; ``default → old`` also works for full fine-tuning (a frozen copy)."""
+        if (source, target) == ("default", "old"):
+            self.engine.copy_to_old()
+        else:
+            lora.copy_adapter(self.engine.module, source, target)
 
     def ema_update_adapter(self, source: str = "default", target: str = "old", decay: float = 0.0) -> None:
-        lora.ema_update_adapter(self.engine.module, source, target, decay)
+        """``target ← decay·target + (1 − decay)·source`` (``default → old`` also for full fine-tuning)."""
+        if (source, target) == ("default", "old"):
+            self.engine.ema_to_old(decay)
+        else:
+            lora.ema_update_adapter(self.engine.module, source, target, decay)
 
     def save_checkpoint(self, local_path: str | Path, global_step: int = 0, extra_state: dict | None = None) -> Path:
         return checkpoint.save_engine(self.engine, local_path, global_step=global_step, extra_state=extra_state)
@@ -168,14 +188,22 @@ class ActorRolloutRefWorker:
         prompts = list(data.get("prompts").tolist()) if hasattr(data.get("prompts"), "tolist") else list(data.get("prompts"))
         start = time.perf_counter()
         self.actor.engine.module.eval()
-        td = sample_trajectories(
+        policy = get_flag(data, "policy", "current")
+        if policy not in ("current", "old"):
+            raise ValueError(f"generate_sequences: policy must be 'current' or 'old', got {policy!r}")
+        ctx = self.actor.engine.old_policy() if policy == "old" else contextlib.nullcontext()
+        with ctx:
+            td = self._sample(data, prompts)
+        td.set_non_tensor("metrics", {"rollout_seconds": time.perf_counter() - start, "weights_version": self.weights_version})
+        return td
+
+    def _sample(self, data: TensorDict, prompts: list[str]) -> TensorDict:
+        return sample_trajectories(
             self.actor.adapter, prompts, settings=self.config.sampler, seeds=data["seeds"].tolist(),
             sde_mask=get_flag(data, "sde_mask"), stochastic_mask=get_flag(data, "stochastic_mask"),
             init_seeds=data["init_seeds"].tolist() if "init_seeds" in data.keys() else None, group_id=data["group_id"],
-            micro_batch_size=get_flag(data, "micro_batch_size"),
+            micro_batch_size=get_flag(data, "micro_batch_size"), record_means=bool(get_flag(data, "record_means", False)),
         )
-        td.set_non_tensor("metrics", {"rollout_seconds": time.perf_counter() - start, "weights_version": self.weights_version})
-        return td
 
     def infer_ref_batch(self, data: TensorDict) -> TensorDict:
         data.set_non_tensor("no_lora_adapter", True)

@@ -61,6 +61,11 @@ class ModelAdapter(abc.ABC):
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Latents ``[B, …]`` → float images ``[B, 3, H, W]`` in [0, 1]."""
 
+    def encode_images(self, images: torch.Tensor) -> torch.Tensor:
+        """Float images ``[B, 3, H, W]`` in [0, 1] → latents (the VAE encoder's mean); offline
+        preference pairs need it. Families without an image encoder raise ``ValueError``."""
+        raise ValueError(f"model family {type(self).__name__} cannot encode images into latents (no image encoder)")
+
     def default_prompts(self) -> list[str] | None:
         """The family's built-in prompt set (used when ``trainer.prompts`` is not given), or None."""
         return None

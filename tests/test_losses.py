@@ -209,3 +209,90 @@ def test_get_loss_registry():
         get_loss("not_a_loss")
     with pytest.raises(ValueError, match="not_a_loss"):
         make_step_loss("not_a_loss", clip_range=0.2)
+
+
+# --- KL with / without the dt factor -------------------------------------------------------------------
+# Two samples, one dim: mean 1 and 2 against ref 0, step std 0.5, dt 0.25 and 0.5.
+#   exact KL (no dt factor):  (1)^2 / (2 * 0.25) = 2,   (2)^2 / (2 * 0.25) = 8    -> batch mean 5
+#   KL * dt ("with dt"):      2 * 0.25 = 0.5,            8 * 0.5 = 4               -> batch mean 2.25
+#   (std = sigma_t sqrt(dt): sigma_t = 1 and 0.5/sqrt(.5); KL * dt = (mean - ref)^2 / (2 sigma_t^2) as in Flow-GRPO's code)
+def _dt_inputs():
+    mean = torch.tensor([[1.0], [2.0]], requires_grad=True)
+    ref_mean = torch.zeros(2, 1)
+    std = torch.full((2, 1), 0.5)
+    dt = torch.tensor([0.25, 0.5])
+    adv = torch.tensor([1.0, -3.0])
+    old = torch.tensor([0.2, -0.7])
+    return mean, ref_mean, std, dt, adv, old
+
+
+@pytest.mark.parametrize("kl_dt_scale, kl_expected", [(False, 5.0), (True, 2.25)])
+def test_flow_grpo_kl_dt_scale_hand_values(kl_dt_scale, kl_expected):
+    mean, ref_mean, std, dt, adv, old = _dt_inputs()
+    loss, m = flow_grpo_loss(
+        old.clone(), old, adv, clip_range=0.2, kl_beta=0.1, mean=mean, ref_mean=ref_mean, std=std, dt=dt, kl_dt_scale=kl_dt_scale
+    )
+    assert m["kl"] == pytest.approx(kl_expected, abs=1e-6)
+    # on-policy: ratio 1, policy loss -mean(A) = 1
+    assert loss.item() == pytest.approx(1.0 + 0.1 * kl_expected, abs=1e-6)
+    loss.backward()
+    # d/dmean of 0.1 * mean_i KL_i: 0.1 * (mean - ref) / std^2 / B, times dt_i with the dt factor
+    scale = dt if kl_dt_scale else torch.ones(2)
+    expected = 0.1 * torch.tensor([[1.0], [2.0]]) / 0.25 / 2 * scale.view(2, 1)
+    torch.testing.assert_close(mean.grad, expected)
+
+
+def test_flow_grpo_kl_dt_scale_needs_positive_dt():
+    mean, ref_mean, std, dt, adv, old = _dt_inputs()
+    kw = dict(clip_range=0.2, kl_beta=0.1, mean=mean, ref_mean=ref_mean, std=std, kl_dt_scale=True)
+    with pytest.raises(ValueError, match="needs dt"):
+        flow_grpo_loss(old, old, adv, **kw)
+    with pytest.raises(ValueError, match="sigma − sigma_next > 0"):
+        flow_grpo_loss(old, old, adv, dt=torch.tensor([0.25, 0.0]), **kw)
+    # without the dt factor dt is not needed; with kl_beta = 0 neither
+    flow_grpo_loss(old, old, adv, **{**kw, "kl_dt_scale": False})
+    flow_grpo_loss(old, old, adv, clip_range=0.2, kl_dt_scale=True)
+
+
+def test_ddpo_is_the_flow_grpo_objective():
+    assert get_loss("ddpo") is flow_grpo_loss
+    fn = make_step_loss("ddpo", clip_range=CLIP)
+    assert fn.loss_name == "ddpo"
+    log_prob, _, _ = _inputs()
+    mean, _, std = _kl_inputs()
+    loss, _ = fn({"log_prob": log_prob, "mean": mean, "std": std}, _batch(), 1)
+    assert loss.item() == pytest.approx(sum(PER_SAMPLE) / 6, abs=1e-6)
+
+
+def test_make_step_loss_derives_dt_from_sigmas():
+    mean, ref_mean, std, _, adv, old = _dt_inputs()
+    sigmas = torch.tensor([[1.0, 0.75, 0.25], [1.0, 0.5, 0.0]])  # step k=1: dt = 0.5 and 0.5
+    batch = TensorDict({"log_probs": torch.stack([old, old], 1), "advantages": adv, "sigmas": sigmas}, batch_size=[2])
+    fn = make_step_loss("flow_grpo", clip_range=0.2, kl_beta=0.1, kl_dt_scale=True)
+    _, m = fn({"log_prob": old.clone(), "mean": mean, "ref_mean": ref_mean, "std": std}, batch, 1)
+    assert m["kl"] == pytest.approx((2.0 * 0.5 + 8.0 * 0.5) / 2, abs=1e-6)
+    _, m0 = fn({"log_prob": old.clone(), "mean": mean, "ref_mean": ref_mean, "std": std}, batch, 0)
+    assert m0["kl"] == pytest.approx((2.0 * 0.25 + 8.0 * 0.5) / 2, abs=1e-6)
+
+
+def test_make_step_loss_grpo_guard_reads_rollout_means():
+    # on-policy: the rollout means equal the current means, so the normalised log-ratio is s * 0 = 0
+    mean, _, std, _, adv, old = _dt_inputs()
+    sigmas = torch.tensor([[1.0, 0.75, 0.25], [1.0, 0.5, 0.0]])
+    means = torch.stack([mean.detach() + 5.0, mean.detach()], dim=1)  # [B, K, 1]; column 0 is a decoy
+    batch = TensorDict({"log_probs": torch.stack([old, old], 1), "advantages": adv, "sigmas": sigmas, "means": means}, batch_size=[2])
+    fn = make_step_loss("grpo_guard", clip_range=0.2)
+    assert fn.needs_reference is False and fn.loss_name == "grpo_guard"
+    loss, m = fn({"log_prob": old.clone(), "mean": mean, "std": std}, batch, 1)
+    # ratio 1, weights 1/dt = 1/0.5 and 1/0.5 -> mean(-A * 2) = -(1 - 3) = 2
+    assert m["ratio_mean"] == pytest.approx(1.0)
+    assert loss.item() == pytest.approx(2.0, abs=1e-6)
+    assert m["step_weight"] == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="means"):
+        fn({"log_prob": old.clone(), "mean": mean, "std": std}, batch.exclude("means"), 1)
+
+
+@pytest.mark.parametrize("name", ["dpo", "nft"])
+def test_make_step_loss_rejects_non_step_losses(name):
+    with pytest.raises(ValueError, match="per-step"):
+        make_step_loss(name)

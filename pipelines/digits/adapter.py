@@ -135,6 +135,10 @@ class DigitsAdapter(ModelAdapter):
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         return ((latents.float() + 1.0) / 2.0).clamp(0.0, 1.0)
 
+    def encode_images(self, images: torch.Tensor) -> torch.Tensor:
+        """Pixel space: the inverse of :meth:`decode` on [0, 1] images."""
+        return images.float() * 2.0 - 1.0
+
     # -- helpers --------------------------------------------------------------------------------
     def _forward(self, x, sigma, seq, pooled) -> torch.Tensor:
         return self.denoiser(

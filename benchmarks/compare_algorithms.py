@@ -1,0 +1,152 @@
+"""Run every digits recipe and compare them: gold accuracy against images sampled and wall time.
+
+    python benchmarks/compare_algorithms.py --out outputs/compare            # all recipes, one at a time
+    python benchmarks/compare_algorithms.py --jobs 8 --threads 2 --out DIR   # in parallel (many cores)
+    python benchmarks/compare_algorithms.py --only nft,dpo --set "dpo=algorithm.dpo_beta=500"
+
+Each run is ``diffrl train experiment=digits_<name>`` in its own process (``trainer.threads`` torch
+threads). The script writes ``results.json`` (every run's evaluations and summary), ``table.md`` (the
+RESULTS.md table) and ``gold_curves.png`` (gold accuracy vs images sampled and vs wall time, plus
+training reward vs gold accuracy for the runs with and without the KL term) into ``--out``.
+Wall times are only comparable between runs made side by side on one machine with the same threads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+RECIPES = {
+    "flow_grpo": ["experiment=digits_flow_grpo"],
+    "flow_grpo_kl": ["experiment=digits_flow_grpo", "algorithm.kl_beta=0.04", "algorithm.name=flow_grpo_kl"],
+    "flow_grpo_fast": ["experiment=digits_flow_grpo_fast"],
+    "mixgrpo": ["experiment=digits_mixgrpo"],
+    "grpo_guard": ["experiment=digits_grpo_guard"],
+    "dance_grpo": ["experiment=digits_dance_grpo"],
+    "dpo": ["experiment=digits_dpo"],
+    "nft": ["experiment=digits_nft"],
+}
+
+
+def run_one(name: str, overrides: list[str], out: Path, threads: int) -> dict:
+    run_dir = out / name
+    cmd = [sys.executable, "-m", "diffrl.cli", "train", *overrides, f"trainer.output_dir={run_dir}", f"trainer.threads={threads}", "trainer.progress=false"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS=str(threads))
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    elapsed = time.perf_counter() - start
+    (out / f"{name}.log").write_text(proc.stdout + proc.stderr)
+    result = {"name": name, "overrides": overrides, "returncode": proc.returncode, "process_seconds": elapsed}
+    if proc.returncode != 0:
+        result["error"] = (proc.stderr or proc.stdout)[-2000:]
+        return result
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    cfg_lines = (run_dir / "config.yaml").read_text()
+    result["summary"] = json.loads((run_dir / "summary.json").read_text())
+    result["evals"] = [r for r in records if r["kind"] == "eval"]
+    result["train"] = [
+        {k: r.get(k) for k in ("step", "reward_mean", "loss", "kl", "wall_seconds")} for r in records if r["kind"] == "train"
+    ]
+    result["images_per_step"] = _images_per_step(cfg_lines)
+    return result
+
+
+def _images_per_step(config_yaml: str) -> int:
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.create(config_yaml)
+    return int(cfg.trainer.prompts_per_step) * int(cfg.trainer.group_size)
+
+
+def write_table(results: list[dict], path: Path) -> str:
+    lines = [
+        "| recipe | steps | images sampled | gold before | gold after | Δ gold (points) | reward after | wall (s) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in results:
+        if r["returncode"] != 0:
+            lines.append(f"| {r['name']} | failed: see {r['name']}.log | | | | | | |")
+            continue
+        s = r["summary"]
+        delta = 100 * (s["gold_accuracy_after"] - s["gold_accuracy_before"])
+        lines.append(
+            f"| {r['name']} | {s['steps']} | {s['steps'] * r['images_per_step']} | {s['gold_accuracy_before']:.3f} | "
+            f"{s['gold_accuracy_after']:.3f} | {delta:+.1f} | {s['reward_after']:.3f} | {s['wall_seconds']:.0f} |"
+        )
+    text = "\n".join(lines) + "\n"
+    path.write_text(text)
+    return text
+
+
+def plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    for r in results:
+        if r["returncode"] != 0:
+            continue
+        steps = [e["step"] for e in r["evals"]]
+        gold = [e["eval/digits_gold"] for e in r["evals"]]
+        axes[0].plot([s * r["images_per_step"] for s in steps], gold, marker="o", label=r["name"])
+        axes[1].plot([e["wall_seconds"] for e in r["evals"]], gold, marker="o", label=r["name"])
+        if r["name"].startswith("flow_grpo") and "fast" not in r["name"]:
+            axes[2].plot([e["eval/digits"] for e in r["evals"]], gold, marker="o", label=r["name"])
+    axes[0].set(xlabel="images sampled", ylabel="gold accuracy", title="gold accuracy vs images sampled")
+    axes[1].set(xlabel="wall time (s)", ylabel="gold accuracy", title="gold accuracy vs wall time")
+    axes[2].set(xlabel="training reward (eval)", ylabel="gold accuracy", title="reward vs gold, with and without KL")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="outputs/compare_algorithms", help="output folder (must not hold results.json)")
+    parser.add_argument("--jobs", type=int, default=1, help="runs in parallel")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads per run")
+    parser.add_argument("--only", default="", help="comma-separated recipe names (default: all)")
+    parser.add_argument("--set", action="append", default=[], help="NAME=override: extra override for one recipe (repeatable)")
+    parser.add_argument("--variant", action="append", default=[], help="LABEL:override,override,…: an extra run")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    if (out / "results.json").exists():
+        print(f"{out} already holds results.json; choose another --out", file=sys.stderr)
+        return 2
+    out.mkdir(parents=True, exist_ok=True)
+    recipes = {k: list(v) for k, v in RECIPES.items()}
+    if args.only:
+        unknown = set(args.only.split(",")) - set(recipes)
+        if unknown:
+            print(f"unknown recipes {sorted(unknown)}; known: {sorted(recipes)}", file=sys.stderr)
+            return 2
+        recipes = {k: v for k, v in recipes.items() if k in args.only.split(",")}
+    for item in args.set:
+        name, override = item.split("=", 1)
+        recipes[name].append(override)
+    for item in args.variant:
+        label, overrides = item.split(":", 1)
+        recipes[label] = overrides.split(",")
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        futures = [pool.submit(run_one, name, ov, out, args.threads) for name, ov in recipes.items()]
+        results = [f.result() for f in futures]
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    print(write_table(results, out / "table.md"))
+    plot(results, out / "gold_curves.png")
+    return 0 if all(r["returncode"] == 0 for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
