@@ -119,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2, help="torch threads per run")
     parser.add_argument("--only", default="", help="comma-separated recipe names (default: all)")
     parser.add_argument("--set", action="append", default=[], help="NAME=override: extra override for one recipe (repeatable)")
-    parser.add_argument("--variant", action="append", default=[], help="LABEL:override,override,…: an extra run")
+    parser.add_argument("--variant", action="append", default=[], help="'LABEL:override override …': an extra run (overrides separated by spaces)")
+    parser.add_argument("--all", action="append", default=[], help="override for every run (repeatable), e.g. model.device=cuda")
     args = parser.parse_args(argv)
     out = Path(args.out)
     if (out / "results.json").exists():
@@ -138,7 +139,9 @@ def main(argv: list[str] | None = None) -> int:
         recipes[name].append(override)
     for item in args.variant:
         label, overrides = item.split(":", 1)
-        recipes[label] = overrides.split(",")
+        recipes[label] = overrides.split()
+    for overrides in recipes.values():
+        overrides.extend(args.all)
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         futures = [pool.submit(run_one, name, ov, out, args.threads) for name, ov in recipes.items()]
         results = [f.result() for f in futures]

@@ -109,7 +109,7 @@ class AlgorithmConfig:
     """stat tracker: rewards of a prompt needed before its own statistics are used"""
     reward_aggregation: str = "sum_rewards"
     """several rewards: sum_rewards (advantages of the weighted sum) | sum_advantages"""
-    dpo_beta: float = 2000.0
+    dpo_beta: float = 50.0
     """Diffusion-DPO β (the reference code's beta_dpo)"""
     dpo_num_timesteps: int = 4
     """noise levels drawn per pair and update"""

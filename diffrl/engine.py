@@ -230,6 +230,7 @@ class DiffusionEngine:
         sums: dict[str, float] = defaultdict(float)
         loss_total = 0.0
         for micro in self._micro_batches(batch):
+            micro = micro.to(self.adapter.device)
             share = micro.shape[0] / batch.shape[0]
             for loss, weight, metrics in self._pieces(loss_fn, micro, seed):
                 (loss * share * weight).backward()
