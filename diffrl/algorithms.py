@@ -21,7 +21,9 @@ from tensordict import NonTensorStack, TensorDict
 from diffrl.advantages import PerPromptStatTracker, aggregate_rewards, group_std_keep_mask
 from diffrl.losses import make_step_loss, nft_reward_to_r
 from diffrl.objectives import DPOObjective, NFTObjective, old_decay
+from diffrl.rollout import sample_seed
 from diffrl.sde import is_deterministic
+from diffrl.single_controller import arrange_for_data_parallel
 
 TRAINER_TYPES = ("policy_gradient", "preference", "nft")
 
@@ -67,13 +69,39 @@ class AdvantageComputer:
             self.tracker.load_state_dict(state["tracker"])
 
 
-def _mini_batches_flags(td: TensorDict, cfg, full_batch: int, step: int) -> None:
-    """Keep the number of optimizer steps of a full batch when rows were dropped."""
+def update_policy(trainer, td: TensorDict, full_batch: int, step: int) -> dict:
+    """``algorithm.epochs`` passes of optimizer steps over ``td`` on the worker group.
+
+    The mini-batches are drawn on the driver (a seeded permutation per epoch when there are several
+    mini-batches or epochs) and laid out so that each worker trains its slice of every mini-batch
+    (:func:`arrange_for_data_parallel`): the update is the same for any number of workers. The number of
+    mini-batches is that of a full batch (``full_batch / mini_batch_size``); rows that do not fill equal
+    mini-batches divisible by the workers are left out (``rows_unused``).
+    """
+    cfg = trainer.cfg
     a = cfg.algorithm
-    mini = int(a.mini_batch_size or full_batch)
-    td.set_non_tensor("num_mini_batches", max(1, min(td.shape[0], full_batch // mini)))
-    td.set_non_tensor("epochs", int(a.epochs))
-    td.set_non_tensor("seed", int(cfg.trainer.seed * 1000003 + step))
+    W = trainer.workers.world_size
+    n = td.shape[0]
+    num_mini = max(1, min(n, full_batch // int(a.mini_batch_size or full_batch)))
+    per_mini = (n // num_mini) // W * W
+    if per_mini == 0:
+        return {"rows_unused": [float(n)]}
+    used = per_mini * num_mini
+    collected: dict[str, list] = {}
+    base_seed = int(cfg.trainer.seed * 1000003 + step)
+    for epoch in range(int(a.epochs)):
+        shuffle = a.epochs > 1 or num_mini > 1
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(base_seed + epoch)) if shuffle else torch.arange(n)
+        batch = arrange_for_data_parallel(td, mini_batch_size=per_mini, world_size=W, order=order[:used])
+        batch.set_non_tensor("mini_batch_size", per_mini // W)
+        batch.set_non_tensor("epochs", 1)
+        batch.set_non_tensor("shuffle", False)
+        batch.set_non_tensor("seed", sample_seed(base_seed, epoch, 0, 5))
+        out = trainer.workers.update_actor(batch).get_non_tensor("metrics")
+        for key, values in out.items():
+            collected.setdefault(key, []).extend(values)
+    collected["rows_unused"] = [float(n - used)]
+    return collected
 
 
 def policy_gradient_update(trainer, traj: TensorDict, scores: dict, step: int) -> tuple[dict, dict]:
@@ -89,8 +117,7 @@ def policy_gradient_update(trainer, traj: TensorDict, scores: dict, step: int) -
             return {}, record
         batch = traj[keep]
     del batch["metrics"]
-    _mini_batches_flags(batch, trainer.cfg, traj.shape[0], step)
-    return trainer.worker.update_actor(batch).get_non_tensor("metrics"), record
+    return update_policy(trainer, batch, traj.shape[0], step), record
 
 
 def online_pairs(traj: TensorDict, rewards: torch.Tensor) -> TensorDict:
@@ -116,6 +143,7 @@ def online_pairs(traj: TensorDict, rewards: torch.Tensor) -> TensorDict:
 def load_offline_pairs(path: str | Path, adapter) -> TensorDict:
     """Pairs from a jsonl or parquet file with columns ``prompt``, ``image_0``, ``image_1`` (image paths,
     relative to the file) and ``label_0`` (1: image_0 preferred, 0: image_1 preferred; ties are skipped)."""
+    import numpy as np
     from PIL import Image
 
     path = Path(path)
@@ -143,7 +171,7 @@ def load_offline_pairs(path: str | Path, adapter) -> TensorDict:
             file = (path.parent / name) if not Path(name).is_absolute() else Path(name)
             if not file.is_file():
                 raise FileNotFoundError(f"{path}: row {i} names image {file}, which does not exist")
-            arr = torch.from_numpy(__import__("numpy").asarray(Image.open(file).convert("RGB"))).permute(2, 0, 1)
+            arr = torch.from_numpy(np.array(Image.open(file).convert("RGB"))).permute(2, 0, 1)
             target.append(arr.float() / 255.0)
         prompts.append(str(row["prompt"]))
     if not prompts:
@@ -176,18 +204,16 @@ def preference_update(trainer, traj: TensorDict | None, scores: dict | None, ste
         record = {"pairs": pairs.shape[0], "reward_gap_mean": pairs["reward_gap"].mean().item() if pairs.shape[0] else 0.0}
         if pairs.shape[0] == 0:
             return {}, record
-    _mini_batches_flags(pairs, cfg, cfg.trainer.prompts_per_step, step)
-    return trainer.worker.update_actor(pairs).get_non_tensor("metrics"), record
+    return update_policy(trainer, pairs, cfg.trainer.prompts_per_step, step), record
 
 
 def nft_update(trainer, traj: TensorDict, scores: dict, step: int) -> tuple[dict, dict]:
     a = trainer.cfg.algorithm
     traj["nft_r"] = nft_reward_to_r(scores["rewards"], traj["group_id"], adv_clip_max=a.adv_clip_max, std_mode=a.adv_std_mode, eps=a.adv_eps)
     del traj["metrics"]
-    _mini_batches_flags(traj, trainer.cfg, traj.shape[0], step)
-    out = trainer.worker.update_actor(traj).get_non_tensor("metrics")
+    out = update_policy(trainer, traj, traj.shape[0], step)
     decay = old_decay(a.old_schedule, step + 1, rate=a.old_decay_rate, max_decay=a.old_decay_max, delay=a.old_decay_delay)
-    trainer.worker.ema_update_adapter("default", "old", decay)
+    trainer.workers.ema_update_adapter("default", "old", decay)
     return out, {"r_mean": traj["nft_r"].mean().item(), "old_decay": decay}
 
 

@@ -37,6 +37,12 @@ class ModelConfig:
     device: str = "cpu"
     """torch device"""
     lora: LoraSettings = field(default_factory=LoraSettings)
+    fsdp: bool = True
+    """shard the denoiser with FSDP2 when trainer.num_workers > 1"""
+    param_offload: bool = False
+    """FSDP2: keep sharded parameters and optimizer state on the CPU"""
+    activation_checkpointing: bool = False
+    """recompute block activations in the backward pass"""
 
 
 @dataclass
@@ -138,9 +144,13 @@ class AlgorithmConfig:
     mini_batch_size: Optional[int] = None
     """trajectories per optimizer step (global; null: the whole step)"""
     micro_batch_size: Optional[int] = None
-    """trajectories per forward/backward (null: the whole mini-batch)"""
+    """trajectories per forward/backward on each worker (null: its whole share of the mini-batch)"""
     lr: float = 1e-3
     """AdamW learning rate"""
+    lr_schedule: str = "constant"
+    """constant | linear | cosine (decay to 0 by the last step)"""
+    warmup_steps: int = 0
+    """optimizer steps of linear learning-rate warm-up"""
     weight_decay: float = 0.0
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
@@ -187,6 +197,16 @@ class TrainerConfig:
     """images in each evaluation grid"""
     threads: Optional[int] = None
     """torch CPU threads (null: torch's default)"""
+    backend: str = "local"
+    """local (one worker in this process) | ray (one Ray actor per worker, torch.distributed + FSDP2)"""
+    num_workers: int = 1
+    """data-parallel workers (ranks); global sizes are split evenly over them"""
+    num_gpus_per_worker: float = 0.0
+    """Ray: GPUs per worker (0 on CPU)"""
+    num_cpus_per_worker: float = 1.0
+    """Ray: CPUs per worker"""
+    resume: str = "never"
+    """never | auto: continue from the newest complete checkpoint in output_dir (partial ones are ignored)"""
 
 
 @dataclass

@@ -21,6 +21,7 @@ import torch
 from tensordict import TensorDict
 
 from diffrl import adapters as lora
+from diffrl import parallel
 from diffrl.rollout import SamplerSettings
 from diffrl.sde import is_deterministic, run_step
 
@@ -39,6 +40,28 @@ class OptimConfig:
     """AdamW epsilon"""
     max_grad_norm: float = 1.0
     """gradient clipping norm (≤ 0 disables clipping)"""
+    lr_schedule: str = "constant"
+    """constant | linear | cosine (decay to 0 over total_steps optimizer steps, after the warm-up)"""
+    warmup_steps: int = 0
+    """optimizer steps of linear warm-up from 0"""
+    total_steps: int | None = None
+    """optimizer steps of the whole run (needed by linear and cosine)"""
+
+
+def lr_factor(step: int, o: OptimConfig) -> float:
+    """Multiplier of the base learning rate at optimizer step ``step`` (0-based)."""
+    import math
+
+    if o.warmup_steps and step < o.warmup_steps:
+        return (step + 1) / o.warmup_steps
+    if o.lr_schedule == "constant":
+        return 1.0
+    if o.lr_schedule not in ("linear", "cosine"):
+        raise ValueError(f"unknown lr schedule {o.lr_schedule!r}; choose constant, linear or cosine")
+    if not o.total_steps:
+        raise ValueError(f"lr schedule {o.lr_schedule!r} needs the total number of optimizer steps")
+    progress = min(1.0, (step - o.warmup_steps) / max(1, o.total_steps - o.warmup_steps))
+    return 1.0 - progress if o.lr_schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 @dataclass(kw_only=True)
@@ -55,6 +78,14 @@ class EngineSettings:
     """seed of the LoRA initialisation (independent of the global RNG, so runs reproduce)"""
     micro_batch_size: int | None = None
     """trajectories per forward/backward (None: the whole mini-batch)"""
+    fsdp: bool = True
+    """shard the denoiser with FSDP2 when torch.distributed runs with more than one rank"""
+    param_offload: bool = False
+    """FSDP2: keep sharded parameters (and optimizer state) on the CPU"""
+    activation_checkpointing: bool = False
+    """recompute block activations in the backward pass (the model's gradient checkpointing)"""
+    old_policy: bool = False
+    """create the ``old`` policy (a copy of the trained one) at initialisation, before any sharding"""
     optim: OptimConfig = field(default_factory=OptimConfig)
 
 
@@ -72,8 +103,10 @@ class DiffusionEngine:
         self.settings = settings
         self.sampler = sampler
         self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
         self._reference_copy = None
         self._old_copy = None
+        self.sharded = False
         self.initialized = False
 
     # -- set-up -----------------------------------------------------------------------------------
@@ -105,16 +138,29 @@ class DiffusionEngine:
             self._reference_copy = copy.copy(self.adapter)
             self._reference_copy.denoiser = copy.deepcopy(module).requires_grad_(False)
             module.requires_grad_(True)
+        if self.settings.activation_checkpointing:
+            if not hasattr(module, "enable_gradient_checkpointing"):
+                raise ValueError(f"{type(module).__name__} has no gradient checkpointing; set activation_checkpointing=false")
+            module.enable_gradient_checkpointing()
+        self.initialized = True  # copy_to_old below must not re-enter
+        if self.settings.old_policy:
+            self.copy_to_old()
+        if self.settings.fsdp and parallel.world_size() > 1:
+            parallel.apply_fsdp(module, self.adapter.fsdp_blocks(), param_offload=self.settings.param_offload)
+            self.sharded = True
         o = self.settings.optim
         self.optimizer = torch.optim.AdamW(self.trainable_parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+        lr_factor(0, o)  # validate the schedule before any work
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_factor(step, o))
         self.initialized = True
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.module.parameters() if p.requires_grad]
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
-        """Name → tensor of every trainable parameter (the LoRA "default" adapter, or all weights)."""
-        return {n: p.detach() for n, p in self.module.named_parameters() if p.requires_grad}
+        """Name → whole tensor of every trainable parameter (the LoRA "default" adapter, or all weights);
+        under FSDP2 a collective that every rank must call."""
+        return {n: parallel.full_tensor(p.detach()) for n, p in self.module.named_parameters() if p.requires_grad}
 
     @contextlib.contextmanager
     def reference(self):
@@ -146,6 +192,8 @@ class DiffusionEngine:
                 lora.ema_update_adapter(self.module, "default", "old", decay)
             return
         if self._old_copy is None:
+            if self.sharded:
+                raise ValueError("an old policy for full fine-tuning under FSDP2 is not supported; train a LoRA (model.lora.rank > 0)")
             self._old_copy = copy.copy(self.adapter)
             self._old_copy.denoiser = copy.deepcopy(self.module).requires_grad_(False)
             return
@@ -261,11 +309,13 @@ class DiffusionEngine:
         if max_norm > 0:
             grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         else:
-            grad_norm = torch.norm(torch.stack([p.grad.norm() for p in params if p.grad is not None]))
+            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+        grad_norm = parallel.full_tensor(grad_norm)
         if not torch.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)
             raise FloatingPointError(f"non-finite gradient norm {grad_norm.item()}; the update was skipped and the weights are unchanged")
         self.optimizer.step()
+        self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return float(grad_norm)
 

@@ -20,12 +20,14 @@ def eval_prompts_and_seeds(prompts: list[str], seeds_per_prompt: int, seed: int)
 
 @torch.no_grad()
 def evaluate(adapter, prompts: list[str], *, seeds: list[int], num_steps: int, guidance_scale: float, metrics: dict, micro_batch_size: int | None = None) -> tuple[dict[str, float], torch.Tensor]:
-    """Sample ``prompts`` with the Euler ODE and average each metric (``name -> callable``, reward protocol).
+    """Sample ``prompts`` deterministically (the Euler ODE for flow models, DDIM with η = 0 for epsilon
+    models) and average each metric (``name -> callable``, reward protocol).
 
     Returns:
         ``({"eval/<name>": mean}, images uint8 [N, 3, H, W])``.
     """
-    settings = SamplerSettings(num_steps=num_steps, step_kind="ode", guidance_scale=guidance_scale)
+    kind = "ode" if getattr(adapter, "prediction_type", "flow") == "flow" else "ddim"
+    settings = SamplerSettings(num_steps=num_steps, step_kind=kind, noise_level=0.0, guidance_scale=guidance_scale)
     td = sample_trajectories(adapter, prompts, settings=settings, seeds=seeds, micro_batch_size=micro_batch_size)
     images = td["images"]
     result = {}

@@ -88,6 +88,14 @@ def _finish(mean, std, sample_dtype, generator, prev_sample) -> StepOutput:
     return StepOutput(prev_sample=prev_sample, mean=mean, std=std.expand_as(mean), log_prob=log_prob)
 
 
+def _deterministic(mean: torch.Tensor, sample: torch.Tensor, prev_sample: torch.Tensor | None, x0: torch.Tensor | None = None) -> StepOutput:
+    """A step without noise: the mean is the sample (a given ``prev_sample`` is passed through), ``std = 0``,
+    ``log_prob = 0``."""
+    out = mean.to(sample.dtype) if prev_sample is None else prev_sample
+    zeros = torch.zeros(mean.shape[0], device=mean.device)
+    return StepOutput(prev_sample=out, mean=mean, std=torch.zeros_like(mean), log_prob=zeros, x0=x0)
+
+
 def flow_sde_step(
     model_output: torch.Tensor,
     sample: torch.Tensor,
@@ -210,10 +218,7 @@ def ode_step(
     """
     x = sample.float()
     dt = _per_sample(sigma_next, x) - _per_sample(sigma, x)
-    mean = x + dt * model_output.float()
-    zeros = torch.zeros(x.shape[0], device=x.device)
-    out = mean.to(sample.dtype) if prev_sample is None else prev_sample
-    return StepOutput(prev_sample=out, mean=mean, std=torch.zeros_like(mean), log_prob=zeros)
+    return _deterministic(x + dt * model_output.float(), sample, prev_sample)
 
 
 def ddim_step(
@@ -264,9 +269,7 @@ def ddim_step(
     std = torch.sqrt(var)
     mean = alpha_next * x0_hat + torch.sqrt((s_next**2 - var).clamp_min(0.0)) * eps_hat
     if noise_level == 0:
-        out_sample = mean.to(sample.dtype) if prev_sample is None else prev_sample
-        zeros = torch.zeros(x.shape[0], device=x.device)
-        return StepOutput(prev_sample=out_sample, mean=mean, std=torch.zeros_like(mean), log_prob=zeros, x0=x0_hat)
+        return _deterministic(mean, sample, prev_sample, x0_hat)
     if prev_sample is None:
         prev_sample = (mean + std * randn_per_sample(mean.shape, generator, mean.device)).to(sample.dtype)
     # rows stepping to σ_next = 0 have no variance left: they are deterministic and score 0
@@ -317,10 +320,7 @@ def dpm2_step(
         h_prev = lam(a, s) - lam((1 - s_prev).clamp_min(1e-12), s_prev)
         r = h_prev / h
         data = (1 + 1 / (2 * r)) * x0_hat - (1 / (2 * r)) * x0_prev.float()
-    mean = (s_next / s) * x + c0 * data
-    out = mean.to(sample.dtype) if prev_sample is None else prev_sample
-    zeros = torch.zeros(x.shape[0], device=x.device)
-    return StepOutput(prev_sample=out, mean=mean, std=torch.zeros_like(mean), log_prob=zeros, x0=x0_hat)
+    return _deterministic((s_next / s) * x + c0 * data, sample, prev_sample, x0_hat)
 
 
 STEP_KINDS: dict[str, Callable[..., StepOutput]] = {

@@ -13,6 +13,8 @@ A run folder holds ``config.yaml``, ``metrics.jsonl`` (one line per step and per
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from datetime import datetime
 from pathlib import Path
@@ -23,11 +25,12 @@ from tensordict import NonTensorStack, TensorDict
 
 from diffrl import algorithms, checkpoint
 from diffrl.engine import EngineSettings, OptimConfig
-from diffrl.evaluation import eval_prompts_and_seeds, evaluate
+from diffrl.evaluation import eval_prompts_and_seeds
 from diffrl.logging import JsonlWriter, Progress, save_grid
 from diffrl.rollout import SamplerSettings, sample_seed
 from diffrl.schedules import TrainingWindow
-from diffrl.workers import ActorRolloutRefWorker, TrainingWorkerConfig
+from diffrl.single_controller import build_worker_group
+from diffrl.workers import TrainingWorkerConfig
 from rewards.base import build_reward, score
 
 
@@ -57,6 +60,40 @@ def build_window(cfg: DictConfig) -> TrainingWindow:
     )
 
 
+def check_sizes(cfg: DictConfig) -> None:
+    """Global sizes against workers and mini-batches, before any work: a clear error with valid sizes."""
+    t, a = cfg.trainer, cfg.algorithm
+    if t.prompts_per_step < 1 or t.group_size < 1:
+        raise ValueError(f"trainer.prompts_per_step and trainer.group_size must be ≥ 1, got {t.prompts_per_step} and {t.group_size}")
+    W = int(t.num_workers)
+    if W < 1:
+        raise ValueError(f"trainer.num_workers must be ≥ 1, got {W}")
+    batch = t.prompts_per_step * t.group_size
+    mini = a.mini_batch_size or batch
+    if batch % mini:
+        raise ValueError(
+            f"algorithm.mini_batch_size={mini} does not divide the {batch} trajectories of a step "
+            f"(trainer.prompts_per_step × trainer.group_size); valid sizes: {[d for d in range(1, batch + 1) if batch % d == 0]}"
+        )
+    if W > 1:
+        if batch % W or mini % W:
+            valid = [d for d in range(W, batch + 1, W) if batch % d == 0]
+            raise ValueError(
+                f"{batch} trajectories per step (mini-batches of {mini}) cannot be split evenly over trainer.num_workers={W}: "
+                f"prompts_per_step × group_size and algorithm.mini_batch_size must be multiples of {W} "
+                f"(valid mini_batch_size values: {valid})"
+            )
+        if a.adv_drop_zero_std:
+            raise ValueError("algorithm.adv_drop_zero_std leaves an uneven number of rows; with trainer.num_workers > 1 set it to false")
+
+
+def optimizer_steps(cfg: DictConfig) -> int:
+    """Optimizer steps of the whole run: RL steps × mini-batches per step × epochs."""
+    t, a = cfg.trainer, cfg.algorithm
+    batch = t.prompts_per_step * t.group_size if a.trainer != "preference" else t.prompts_per_step
+    return int(t.steps) * max(1, batch // int(a.mini_batch_size or batch)) * int(a.epochs)
+
+
 def worker_config(cfg: DictConfig) -> TrainingWorkerConfig:
     a, m, s = cfg.algorithm, cfg.model, cfg.sampler
     return TrainingWorkerConfig(
@@ -64,8 +101,12 @@ def worker_config(cfg: DictConfig) -> TrainingWorkerConfig:
         model_kwargs={"path": m.path, "dtype": m.dtype, "device": m.device},
         engine=EngineSettings(
             lora_rank=m.lora.rank, lora_alpha=m.lora.alpha, lora_dropout=m.lora.dropout, init_seed=cfg.trainer.seed,
-            micro_batch_size=a.micro_batch_size,
-            optim=OptimConfig(lr=a.lr, weight_decay=a.weight_decay, max_grad_norm=a.max_grad_norm),
+            micro_batch_size=a.micro_batch_size, fsdp=m.fsdp, param_offload=m.param_offload,
+            activation_checkpointing=m.activation_checkpointing, old_policy=a.trainer == "nft",
+            optim=OptimConfig(
+                lr=a.lr, weight_decay=a.weight_decay, max_grad_norm=a.max_grad_norm, lr_schedule=a.lr_schedule,
+                warmup_steps=a.warmup_steps, total_steps=optimizer_steps(cfg),
+            ),
         ),
         sampler=SamplerSettings(
             num_steps=s.num_steps, step_kind=s.kind, noise_level=s.noise_level, ode_solver=s.ode_solver,
@@ -84,27 +125,31 @@ class Trainer:
             torch.set_num_threads(int(t.threads))
         if t.prompts_per_step < 1 or t.group_size < 1:
             raise ValueError(f"trainer.prompts_per_step and trainer.group_size must be ≥ 1, got {t.prompts_per_step} and {t.group_size}")
-        batch = t.prompts_per_step * t.group_size
-        mini = cfg.algorithm.mini_batch_size or batch
-        if batch % mini:
-            raise ValueError(
-                f"algorithm.mini_batch_size={mini} does not divide the {batch} trajectories of a step "
-                f"(trainer.prompts_per_step × trainer.group_size)"
-            )
+        check_sizes(cfg)
         self.output_dir = Path(t.output_dir or f"outputs/{cfg.experiment}-{datetime.now():%Y%m%d-%H%M%S}")
+        if t.resume not in ("never", "auto"):
+            raise ValueError(f"trainer.resume must be 'never' or 'auto', got {t.resume!r}")
+        self.resume_path = None
         if (self.output_dir / "metrics.jsonl").exists():
-            raise RunFolderError(
-                f"output folder {self.output_dir} already holds a run (metrics.jsonl); it is left untouched — "
-                "choose another trainer.output_dir"
-            )
+            found = checkpoint.list_checkpoints(self.output_dir / "checkpoints")
+            if t.resume != "auto" or not found:
+                why = "trainer.resume=auto continues it from its newest checkpoint" if found else "it has no complete checkpoint to resume from"
+                raise RunFolderError(
+                    f"output folder {self.output_dir} already holds a run (metrics.jsonl); it is left untouched — "
+                    f"choose another trainer.output_dir ({why})"
+                )
+            self.resume_path = found[-1]
         torch.manual_seed(t.seed)
         self.window = build_window(cfg)
-        self.worker = ActorRolloutRefWorker(worker_config(cfg), role="actor_rollout_ref")
-        self.worker.init_model()
         a = cfg.algorithm
-        self.worker.set_loss_fn(algorithms.build_loss(cfg))
-        adapter = self.worker.actor.adapter
-        self.prompts = read_prompt_file(t.prompts) if t.prompts else adapter.default_prompts()
+        loss_fn = algorithms.build_loss(cfg)
+        self.workers = build_worker_group(
+            worker_config(cfg), backend=t.backend, num_workers=t.num_workers,
+            **({"num_cpus_per_worker": t.num_cpus_per_worker, "num_gpus_per_worker": t.num_gpus_per_worker, "threads": t.threads} if t.backend == "ray" else {}),
+        )
+        self.workers.init_model()
+        self.workers.set_loss_fn(loss_fn)
+        self.prompts = read_prompt_file(t.prompts) if t.prompts else self.workers.default_prompts()
         if not self.prompts:
             raise ValueError(f"model family {cfg.model.family!r} has no built-in prompts; set trainer.prompts=<file>")
         options = OmegaConf.to_container(cfg.reward.options, resolve=True)
@@ -120,7 +165,7 @@ class Trainer:
             self.eval_metrics[self.gold_name] = build_reward(self.gold_name, **options.get(self.gold_name, {}))
         self.advantages = algorithms.AdvantageComputer(cfg, {name: w for name, (_, w) in self.rewards.items()})
         self.offline_pairs = (
-            algorithms.load_offline_pairs(a.preference_pairs, adapter) if a.trainer == "preference" and a.preference_pairs else None
+            self.workers.load_offline_pairs(a.preference_pairs) if a.trainer == "preference" and a.preference_pairs else None
         )
 
     # -- pieces ---------------------------------------------------------------------------------
@@ -159,15 +204,20 @@ class Trainer:
         return td
 
     def evaluate(self, step: int) -> dict:
+        """Deterministic samples of the held-out (prompt, seed) pairs, scored by every eval metric."""
         t, s = self.cfg.trainer, self.cfg.sampler
         prompts, seeds = eval_prompts_and_seeds(self.prompts, t.eval_seeds_per_prompt, t.eval_seed)
-        adapter = self.worker.actor.adapter
-        adapter.denoiser.eval()
         start = time.perf_counter()
-        metrics, images = evaluate(
-            adapter, prompts, seeds=seeds, num_steps=s.eval_num_steps, guidance_scale=s.guidance_scale,
-            metrics=self.eval_metrics, micro_batch_size=s.micro_batch_size,
-        )
+        request = TensorDict({"seeds": torch.tensor(seeds), "group_id": torch.arange(len(seeds))}, batch_size=[len(seeds)])
+        request["prompts"] = NonTensorStack(*prompts)
+        request.set_non_tensor("eval_num_steps", int(s.eval_num_steps))
+        if s.micro_batch_size:
+            request.set_non_tensor("micro_batch_size", int(s.micro_batch_size))
+        images = self.workers.generate_sequences(request)["images"]
+        metrics = {}
+        for name, fn in self.eval_metrics.items():
+            out = fn(images, prompts, None)
+            metrics[f"eval/{name}"] = float(out.get(name, next(iter(out.values()))).float().mean())
         first_seed = images[:: t.eval_seeds_per_prompt][: t.max_grid_images]
         save_grid(first_seed, self.output_dir / "images" / f"eval_step_{step:06d}.png", columns=min(10, len(first_seed)), scale=4)
         metrics["eval/seconds"] = time.perf_counter() - start
@@ -179,14 +229,18 @@ class Trainer:
         wall_start = time.perf_counter()
         (self.output_dir / "images").mkdir(parents=True, exist_ok=True)
         (self.output_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+        start_step, before, last_eval = self._resume() if self.resume_path else (0, None, None)
         log = JsonlWriter(self.output_dir / "metrics.jsonl")
-        progress = Progress(t.steps, enabled=t.progress, desc=cfg.experiment)
+        progress = Progress(t.steps, initial=start_step, enabled=t.progress, desc=cfg.experiment)
         try:
-            before = self.evaluate(0)
-            log.write({"step": 0, "kind": "eval", **before, "wall_seconds": time.perf_counter() - wall_start})
-            progress.write(f"eval before training: {self._eval_line(before)}")
-            last_eval = before
-            for step in range(t.steps):
+            if before is None:
+                before = self.evaluate(0)
+                log.write({"step": 0, "kind": "eval", **before, "wall_seconds": time.perf_counter() - wall_start})
+                progress.write(f"eval before training: {self._eval_line(before)}")
+                last_eval = before
+            else:
+                progress.write(f"resumed from {self.resume_path} at step {start_step}")
+            for step in range(start_step, t.steps):
                 record = self.train_step(step)
                 record["wall_seconds"] = time.perf_counter() - wall_start
                 log.write(record)
@@ -197,13 +251,46 @@ class Trainer:
                     log.write({"step": done, "kind": "eval", **last_eval, "wall_seconds": time.perf_counter() - wall_start})
                     progress.write(f"eval at step {done}: {self._eval_line(last_eval)}")
                 if (t.checkpoint_every and done % t.checkpoint_every == 0) or done == t.steps:
-                    self.worker.save_checkpoint(self.output_dir / "checkpoints", global_step=done, extra_state=self.trainer_state())
+                    self.workers.save_checkpoint(self.output_dir / "checkpoints", global_step=done, extra_state=self.trainer_state())
         finally:
             progress.close()
             log.close()
         summary = self._summary(before, last_eval, time.perf_counter() - wall_start)
         checkpoint.write_json_atomic(self.output_dir / "summary.json", summary)
         return summary
+
+    def close(self) -> None:
+        """Release the workers (Ray actors)."""
+        self.workers.shutdown()
+
+    def _resume(self) -> tuple[int, dict, dict]:
+        """Load the newest complete checkpoint and cut ``metrics.jsonl`` back to its step.
+
+        Restores the trained weights, the optimizer, the old policy, the window and the advantage stat
+        tracker; prompts and noise are functions of ``(seed, step)``, so the run continues exactly.
+        """
+        state = self.workers.load_checkpoint(self.resume_path)
+        step = int(state["global_step"])
+        self.window.load_state_dict(state["window"])
+        self.advantages.load_state_dict(state.get("advantages", {}))
+        self.workers.update_weights(step)
+        path = self.output_dir / "metrics.jsonl"
+        kept = []
+        for line in path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:  # a line cut by the kill
+                continue
+            if record.get("step", 0) <= step:
+                kept.append(record)
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(json.dumps(r, default=float) + "\n" for r in kept))
+        os.replace(tmp, path)
+        evals = [r for r in kept if r.get("kind") == "eval"]
+        if not evals or evals[0]["step"] != 0:
+            raise RunFolderError(f"{path} lacks the evaluation before training; the run cannot be resumed — start a new trainer.output_dir")
+        strip = lambda r: {k: v for k, v in r.items() if k.startswith("eval/")}
+        return step, strip(evals[0]), strip(evals[-1])
 
     def train_step(self, step: int) -> dict:
         a = self.cfg.algorithm
@@ -212,7 +299,7 @@ class Trainer:
         traj = scores = None
         if a.trainer != "preference" or self.offline_pairs is None:
             start = time.perf_counter()
-            traj = self.worker.generate_sequences(self.rollout_request(step))
+            traj = self.workers.generate_sequences(self.rollout_request(step))
             times["time/rollout"] = time.perf_counter() - start
             start = time.perf_counter()
             scores = score(self.rewards, traj["images"], list(traj.get("prompts").tolist()), {"step": step})
@@ -225,7 +312,7 @@ class Trainer:
         start = time.perf_counter()
         update = {"policy_gradient": algorithms.policy_gradient_update, "preference": algorithms.preference_update, "nft": algorithms.nft_update}[a.trainer]
         out, extra = update(self, traj, scores, step)
-        self.worker.update_weights(step + 1)
+        self.workers.update_weights(step + 1)
         self.window.advance()
         times["time/train"] = time.perf_counter() - start
         record.update(extra)

@@ -8,6 +8,7 @@ In this version the workers run in-process (the embedded default).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from diffrl import adapters as lora
 from diffrl import checkpoint
 from diffrl.engine import DiffusionEngine, EngineSettings
 from diffrl.rollout import SamplerSettings, sample_seed, sample_trajectories
+from diffrl.single_controller.base import Dispatch, register
 
 ROLES = ("actor", "rollout", "ref", "actor_rollout", "actor_rollout_ref")
 
@@ -107,6 +109,7 @@ class TrainingWorker:
         num_mini_batches = pop_flag(data, "num_mini_batches", None)
         epochs = int(pop_flag(data, "epochs", 1))
         seed = int(pop_flag(data, "seed", 0))
+        shuffle = bool(pop_flag(data, "shuffle", True))
         if num_mini_batches is None:
             mini_batch_size = int(mini_batch_size or batch_size)
             if batch_size % mini_batch_size:
@@ -115,8 +118,8 @@ class TrainingWorker:
         num_mini_batches = max(1, min(int(num_mini_batches), batch_size))
         collected: dict[str, list] = defaultdict(list)
         for epoch in range(epochs):
-            shuffle = epochs > 1 or num_mini_batches > 1
-            order = torch.randperm(batch_size, generator=torch.Generator().manual_seed(seed + epoch)) if shuffle else torch.arange(batch_size)
+            permute = shuffle and (epochs > 1 or num_mini_batches > 1)
+            order = torch.randperm(batch_size, generator=torch.Generator().manual_seed(seed + epoch)) if permute else torch.arange(batch_size)
             for index, rows in enumerate(torch.tensor_split(order, num_mini_batches)):
                 mini = data[rows]
                 mini.set_non_tensor("seed", sample_seed(seed, epoch, index, 3))
@@ -168,17 +171,21 @@ class ActorRolloutRefWorker:
         self.actor: TrainingWorker | None = None
         self.weights_version = 0
 
+    @register(Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
         self.actor = TrainingWorker(self.config)
         if self._is_actor or self._is_ref:
             self.actor.reset()
 
+    @register(Dispatch.ONE_TO_ALL)
     def set_loss_fn(self, loss_fn) -> None:
         self.actor.set_loss_fn(loss_fn)
 
+    @register(Dispatch.ONE_TO_ALL)
     def to(self, device: str, model: bool = True, optimizer: bool = True, grad: bool = True) -> None:
         self.actor.to(device, model=model, optimizer=optimizer, grad=grad)
 
+    @register(Dispatch.DP_COMPUTE)
     def generate_sequences(self, data: TensorDict) -> TensorDict:
         """Sample trajectories: ``data`` holds non-tensor ``prompts`` and tensor ``seeds``, ``group_id``,
         optionally ``init_seeds`` and the non-tensor flags ``sde_mask [K]``, ``stochastic_mask [K]``,
@@ -198,31 +205,46 @@ class ActorRolloutRefWorker:
         return td
 
     def _sample(self, data: TensorDict, prompts: list[str]) -> TensorDict:
+        settings = self.config.sampler
+        eval_steps = get_flag(data, "eval_num_steps")
+        if eval_steps:  # deterministic evaluation: Euler ODE (flow) or DDIM η = 0 (epsilon), no trained steps
+            kind = "ode" if self.actor.adapter.prediction_type == "flow" else "ddim"
+            settings = dataclasses.replace(settings, num_steps=int(eval_steps), step_kind=kind, noise_level=0.0)
+            return sample_trajectories(
+                self.actor.adapter, prompts, settings=settings, seeds=data["seeds"].tolist(), group_id=data["group_id"],
+                micro_batch_size=get_flag(data, "micro_batch_size"),
+            )
         return sample_trajectories(
-            self.actor.adapter, prompts, settings=self.config.sampler, seeds=data["seeds"].tolist(),
+            self.actor.adapter, prompts, settings=settings, seeds=data["seeds"].tolist(),
             sde_mask=get_flag(data, "sde_mask"), stochastic_mask=get_flag(data, "stochastic_mask"),
             init_seeds=data["init_seeds"].tolist() if "init_seeds" in data.keys() else None, group_id=data["group_id"],
             micro_batch_size=get_flag(data, "micro_batch_size"), record_means=bool(get_flag(data, "record_means", False)),
         )
 
+    @register(Dispatch.DP_COMPUTE)
     def infer_ref_batch(self, data: TensorDict) -> TensorDict:
         data.set_non_tensor("no_lora_adapter", True)
         return self.actor.infer_batch(data)
 
+    @register(Dispatch.DP_COMPUTE)
     def infer_actor_batch(self, data: TensorDict) -> TensorDict:
         return self.actor.infer_batch(data)
 
+    @register(Dispatch.DP_COMPUTE)
     def update_actor(self, data: TensorDict) -> TensorDict:
         if not self._is_actor:
             raise RuntimeError(f"update_actor needs an actor role, this worker is {self.role!r}")
         return self.actor.train_mini_batch(data)
 
+    @register(Dispatch.ONE_TO_ALL)
     def copy_adapter(self, source: str = "default", target: str = "old") -> None:
         self.actor.copy_adapter(source, target)
 
+    @register(Dispatch.ONE_TO_ALL)
     def ema_update_adapter(self, source: str = "default", target: str = "old", decay: float = 0.0) -> None:
         self.actor.ema_update_adapter(source, target, decay)
 
+    @register(Dispatch.ONE_TO_ALL)
     def update_weights(self, global_steps: int | None = None) -> None:
         """Make the rollout path use the actor's current weights.
 
@@ -231,8 +253,27 @@ class ActorRolloutRefWorker:
         """
         self.weights_version = global_steps if global_steps is not None else self.weights_version + 1
 
+    @register(Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, local_path, global_step: int = 0, extra_state: dict | None = None) -> Path:
         return self.actor.save_checkpoint(local_path, global_step, extra_state)
 
+    @register(Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, local_path) -> dict:
         return self.actor.load_checkpoint(local_path)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def default_prompts(self) -> list[str] | None:
+        """The model family's built-in prompt set."""
+        return self.actor.adapter.default_prompts()
+
+    @register(Dispatch.ONE_TO_ALL)
+    def load_offline_pairs(self, path: str) -> TensorDict:
+        """Preference pairs of a jsonl/parquet file, encoded by this worker's model (see ``diffrl.algorithms``)."""
+        from diffrl.algorithms import load_offline_pairs
+
+        return load_offline_pairs(path, self.actor.adapter)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def trainable_state(self) -> dict[str, torch.Tensor]:
+        """Whole tensors of the trained parameters (every rank gathers its shards)."""
+        return {n: t.cpu() for n, t in self.actor.engine.trainable_state().items()}

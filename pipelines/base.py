@@ -66,6 +66,14 @@ class ModelAdapter(abc.ABC):
         preference pairs need it. Families without an image encoder raise ``ValueError``."""
         raise ValueError(f"model family {type(self).__name__} cannot encode images into latents (no image encoder)")
 
+    def fsdp_blocks(self) -> list[nn.Module]:
+        """The denoiser's repeated blocks, each its own FSDP2 unit (transformer blocks; UNet stages)."""
+        d = self.denoiser
+        blocks = [*getattr(d, "transformer_blocks", []), *getattr(d, "single_transformer_blocks", [])]
+        if not blocks and hasattr(d, "down_blocks"):
+            blocks = [*d.down_blocks, d.mid_block, *d.up_blocks]
+        return blocks
+
     def default_prompts(self) -> list[str] | None:
         """The family's built-in prompt set (used when ``trainer.prompts`` is not given), or None."""
         return None

@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 
 _REGISTRY: dict[str, type] = {}
-_BUILTIN_MODULES = ("rewards.digits",)
+_BUILTIN_MODULES = ("rewards.digits", "rewards.jpeg")
 
 
 class RewardError(RuntimeError):

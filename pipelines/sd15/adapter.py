@@ -1,0 +1,223 @@
+"""The SD1.5 family over diffusers: ``UNet2DConditionModel`` (epsilon prediction), ``AutoencoderKL`` and a
+CLIP text encoder, sampled with DDIM on the model's DDPM ᾱ schedule (DDPO's setting).
+
+Noise levels follow DESIGN.md's convention for epsilon models: ``sigma = √(1 − ᾱ_t)`` in [0, 1], with
+``x_t = √(1 − σ²)·x0 + σ·ε``; the diffusers timestep ``t`` is looked up from ``sigma`` inside
+:meth:`SD15Adapter.predict` only.
+
+``model.path`` is a local diffusers folder (``unet/``, ``vae/``, ``text_encoder/``, ``tokenizer/``,
+``scheduler/``); with no path the family builds a tiny random configuration offline, tokenizer included.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from tensordict import TensorDict
+
+from pipelines.base import ModelAdapter, register_family
+
+COMPONENTS = ("unet", "vae", "text_encoder", "tokenizer", "scheduler")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# SD1.5's scheduler: scaled-linear betas, 1000 training steps, DDIM "leading" spacing with offset 1
+SCHEDULER_CONFIG = {
+    "_class_name": "DDIMScheduler", "num_train_timesteps": 1000, "beta_start": 0.00085, "beta_end": 0.012,
+    "beta_schedule": "scaled_linear", "steps_offset": 1, "set_alpha_to_one": False, "prediction_type": "epsilon",
+    "clip_sample": False, "timestep_spacing": "leading",
+}
+
+TINY_UNET = dict(
+    sample_size=16, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(32, 64),
+    down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+    cross_attention_dim=32, attention_head_dim=8, norm_num_groups=16,
+)
+TINY_VAE = dict(
+    in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+    up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"), block_out_channels=(16, 32), latent_channels=4,
+    norm_num_groups=16, sample_size=32,
+)
+TINY_TEXT = dict(
+    bos_token_id=0, eos_token_id=1, pad_token_id=1, hidden_size=32, intermediate_size=37, num_attention_heads=4,
+    num_hidden_layers=2, vocab_size=600, max_position_embeddings=77, projection_dim=32,
+)
+TINY_PROMPTS = ["a cat", "a dog", "a horse", "a rabbit", "a monkey", "a bird", "a fish", "a lion"]
+
+
+def _byte_symbols() -> list[str]:
+    """The 256 printable symbols byte-level BPE uses for the bytes 0…255 (GPT-2's mapping)."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    symbols, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            symbols[b] = chr(b)
+        else:
+            symbols[b] = chr(256 + extra)
+            extra += 1
+    return [symbols[b] for b in range(256)]
+
+
+def build_tiny_tokenizer():
+    """A CLIP tokenizer over single bytes (no merges), built offline: 2 specials + 256 + 256 ``</w>`` symbols."""
+    from transformers import CLIPTokenizer
+
+    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
+    for symbol in _byte_symbols():
+        vocab[symbol] = len(vocab)
+    for symbol in _byte_symbols():
+        vocab[symbol + "</w>"] = len(vocab)
+    return CLIPTokenizer(vocab=vocab, merges=[], model_max_length=16)
+
+
+def build_tiny_components(seed: int = 0) -> dict:
+    """The tiny random SD1.5-shaped pipeline components (CPU, fp32)."""
+    from diffusers import AutoencoderKL, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        unet = UNet2DConditionModel(**TINY_UNET)
+        vae = AutoencoderKL(**TINY_VAE)
+        text_encoder = CLIPTextModel(CLIPTextConfig(**TINY_TEXT))
+    return {"unet": unet, "vae": vae, "text_encoder": text_encoder, "tokenizer": build_tiny_tokenizer(), "scheduler": dict(SCHEDULER_CONFIG)}
+
+
+def save_pipeline(components: dict, folder: str | Path) -> Path:
+    """Write components as a diffusers folder (what ``model.path`` loads)."""
+    folder = Path(folder)
+    for name in ("unet", "vae", "text_encoder", "tokenizer"):
+        components[name].save_pretrained(str(folder / name))
+    (folder / "scheduler").mkdir(parents=True, exist_ok=True)
+    (folder / "scheduler" / "scheduler_config.json").write_text(json.dumps(components["scheduler"], indent=2))
+    return folder
+
+
+def load_components(path: str | Path) -> dict:
+    from diffusers import AutoencoderKL, UNet2DConditionModel
+    from transformers import CLIPTextModel, CLIPTokenizer
+
+    folder = Path(path)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"SD1.5 model folder {folder} does not exist (model.path); give a local diffusers folder")
+    for name in COMPONENTS:
+        if not (folder / name).is_dir():
+            raise FileNotFoundError(f"SD1.5 model folder {folder} lacks the component {name}/ (needs {', '.join(COMPONENTS)})")
+    return {
+        "unet": UNet2DConditionModel.from_pretrained(str(folder / "unet"), local_files_only=True),
+        "vae": AutoencoderKL.from_pretrained(str(folder / "vae"), local_files_only=True),
+        "text_encoder": CLIPTextModel.from_pretrained(str(folder / "text_encoder"), local_files_only=True),
+        "tokenizer": CLIPTokenizer.from_pretrained(str(folder / "tokenizer"), local_files_only=True),
+        "scheduler": json.loads((folder / "scheduler" / "scheduler_config.json").read_text()),
+    }
+
+
+def alphas_cumprod(config: dict) -> torch.Tensor:
+    """ᾱ_t of the DDPM schedule in ``config`` (``scaled_linear`` or ``linear`` betas), fp64."""
+    n, b0, b1 = config["num_train_timesteps"], config["beta_start"], config["beta_end"]
+    if config.get("beta_schedule", "linear") == "scaled_linear":
+        betas = torch.linspace(b0**0.5, b1**0.5, n, dtype=torch.float64) ** 2
+    elif config["beta_schedule"] == "linear":
+        betas = torch.linspace(b0, b1, n, dtype=torch.float64)
+    else:
+        raise ValueError(f"unsupported beta_schedule {config['beta_schedule']!r} (scaled_linear or linear)")
+    return torch.cumprod(1 - betas, 0)
+
+
+@register_family("sd15")
+class SD15Adapter(ModelAdapter):
+    """Stable Diffusion 1.5 (epsilon prediction, DDIM/DDPM schedule).
+
+    Args:
+        path: local diffusers folder; ``None`` builds the tiny random configuration.
+        dtype: UNet dtype; device: torch device; seed: init seed of the random configuration.
+        decode_chunk: images per VAE decode call.
+    """
+
+    prediction_type = "epsilon"
+    lora_target_modules = ["to_q", "to_k", "to_v", "to_out.0"]
+
+    def __init__(self, path: str | None = None, dtype: str = "float32", device: str = "cpu", seed: int = 0, decode_chunk: int = 16):
+        if dtype not in _DTYPES:
+            raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(_DTYPES)}")
+        parts = build_tiny_components(seed) if path is None else load_components(path)
+        unet = parts["unet"].to(device)
+        self.denoiser = unet if dtype == "float32" else unet.to(dtype=_DTYPES[dtype])
+        self.vae = parts["vae"].to(device).eval().requires_grad_(False)
+        self.text_encoder = parts["text_encoder"].to(device).eval().requires_grad_(False)
+        self.tokenizer = parts["tokenizer"]
+        self.scheduler_config = parts["scheduler"]
+        self.decode_chunk = decode_chunk
+        abar = alphas_cumprod(self.scheduler_config)
+        self._abar = abar
+        self._sigma_table = torch.sqrt(1 - abar).float()  # σ of each training timestep, increasing in t
+        self.vae_scale = float(getattr(self.vae.config, "scaling_factor", 0.18215))
+        self.vae_factor = 2 ** (len(self.vae.config.block_out_channels) - 1)
+
+    def components(self) -> dict:
+        return {"unet": self.denoiser, "vae": self.vae, "text_encoder": self.text_encoder, "tokenizer": self.tokenizer, "scheduler": self.scheduler_config}
+
+    # -- protocol -----------------------------------------------------------------------------
+    def _embed(self, prompts: list[str]) -> torch.Tensor:
+        ids = self.tokenizer(list(prompts), padding="max_length", max_length=self.tokenizer.model_max_length, truncation=True, return_tensors="pt").input_ids
+        with torch.no_grad():
+            return self.text_encoder(ids.to(self.text_encoder.device))[0]
+
+    def encode_prompts(self, prompts: list[str]) -> TensorDict:
+        dtype = next(self.denoiser.parameters()).dtype
+        seq = self._embed(prompts).to(dtype)
+        neg = self._embed([""]).to(dtype).expand(len(prompts), -1, -1).clone()
+        return TensorDict({"prompt_embeds": seq, "negative_prompt_embeds": neg}, batch_size=[len(prompts)])
+
+    def default_prompts(self) -> list[str]:
+        return list(TINY_PROMPTS)
+
+    def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
+        if height % self.vae_factor or width % self.vae_factor:
+            raise ValueError(f"image size {height}×{width} must be divisible by the VAE factor {self.vae_factor}")
+        return (self.denoiser.config.in_channels, height // self.vae_factor, width // self.vae_factor)
+
+    def schedule(self, num_steps: int, shift: float | None = None) -> torch.Tensor:
+        """DDIM's ``leading`` timesteps ``t_i = i·(T/K) + offset`` as noise levels, then the final level
+        ``√(1 − ᾱ_0)`` (``set_alpha_to_one=False``): ``[num_steps + 1]`` decreasing."""
+        if shift not in (None, 1.0):
+            raise ValueError("the SD1.5 family samples on its DDPM schedule; sampler.shift must be null")
+        T = self.scheduler_config["num_train_timesteps"]
+        if not 1 <= num_steps <= T:
+            raise ValueError(f"num_steps must be in [1, {T}], got {num_steps}")
+        offset = self.scheduler_config.get("steps_offset", 0)
+        timesteps = (torch.arange(num_steps - 1, -1, -1) * (T // num_steps) + offset).clamp(max=T - 1)
+        final = torch.tensor([1.0]) if self.scheduler_config.get("set_alpha_to_one", False) else self._abar[:1].float()
+        sigmas = torch.cat([self._sigma_table[timesteps], torch.sqrt(1 - final).float()])
+        return sigmas
+
+    def timestep(self, sigma: torch.Tensor) -> torch.Tensor:
+        """The training timestep whose noise level is nearest to ``sigma`` ``[B]``."""
+        table = self._sigma_table.to(sigma.device)
+        return (table[None, :] - sigma.float()[:, None]).abs().argmin(dim=1)
+
+    def predict(self, latents: torch.Tensor, sigma: torch.Tensor, cond: TensorDict, guidance_scale: float) -> torch.Tensor:
+        dtype = next(self.denoiser.parameters()).dtype
+        sigma = torch.as_tensor(sigma, dtype=torch.float32, device=latents.device).expand(latents.shape[0])
+        t = self.timestep(sigma)
+        if guidance_scale == 1.0:
+            return self.denoiser(latents.to(dtype), t, encoder_hidden_states=cond["prompt_embeds"], return_dict=False)[0]
+        out = self.denoiser(
+            torch.cat([latents, latents]).to(dtype), torch.cat([t, t]),
+            encoder_hidden_states=torch.cat([cond["negative_prompt_embeds"], cond["prompt_embeds"]]), return_dict=False,
+        )[0]
+        return self.combine_guidance(out, guidance_scale)
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        chunks = [
+            self.vae.decode(part.to(self.vae.device, self.vae.dtype) / self.vae_scale, return_dict=False)[0]
+            for part in latents.split(self.decode_chunk)
+        ]
+        return (torch.cat(chunks).float() / 2 + 0.5).clamp(0, 1)
+
+    @torch.no_grad()
+    def encode_images(self, images: torch.Tensor) -> torch.Tensor:
+        dist = self.vae.encode(images.to(self.vae.device, self.vae.dtype) * 2 - 1).latent_dist
+        return dist.mean.float() * self.vae_scale

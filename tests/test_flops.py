@@ -1,0 +1,153 @@
+"""DiffusionFlopsCounter: the analytic count of every family formula within 5 % of torch's FlopCounterMode,
+on tiny configs and full-size ones (meta tensors), and the MFU arithmetic."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from diffrl.flops import DiffusionFlopsCounter, counter_for_adapter, flux_forward_flops, mmdit_forward_flops, qwen_image_forward_flops, unet2d_forward_flops
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+SD35_MEDIUM = dict(
+    sample_size=128, patch_size=2, in_channels=16, out_channels=16, num_layers=24, attention_head_dim=64, num_attention_heads=24,
+    joint_attention_dim=4096, caption_projection_dim=1536, pooled_projection_dim=2048, pos_embed_max_size=384,
+    dual_attention_layers=tuple(range(13)), qk_norm="rms_norm",
+)
+SD3_TINY = dict(
+    sample_size=16, patch_size=2, in_channels=4, out_channels=4, num_layers=3, attention_head_dim=8, num_attention_heads=4,
+    joint_attention_dim=32, caption_projection_dim=32, pooled_projection_dim=16, pos_embed_max_size=16, dual_attention_layers=(0,),
+)
+FLUX_DEV = dict(
+    patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128, num_attention_heads=24,
+    joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True, axes_dims_rope=(16, 56, 56),
+)
+FLUX_TINY = dict(
+    patch_size=1, in_channels=16, num_layers=2, num_single_layers=3, attention_head_dim=16, num_attention_heads=2,
+    joint_attention_dim=32, pooled_projection_dim=24, guidance_embeds=False, axes_dims_rope=(4, 6, 6),
+)
+QWEN_IMAGE = dict(
+    patch_size=2, in_channels=64, out_channels=16, num_layers=60, attention_head_dim=128, num_attention_heads=24,
+    joint_attention_dim=3584, axes_dims_rope=(16, 56, 56),
+)
+QWEN_TINY = dict(
+    patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16, num_attention_heads=2,
+    joint_attention_dim=32, axes_dims_rope=(4, 6, 6),
+)
+SD15_UNET = dict(
+    sample_size=64, in_channels=4, out_channels=4, layers_per_block=2, block_out_channels=(320, 640, 1280, 1280),
+    down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
+    up_block_types=("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
+    cross_attention_dim=768, attention_head_dim=8,
+)
+
+
+def _counted(model, **inputs) -> float:
+    """FlopCounterMode's count of one forward; SDPA runs its math decomposition, whose matmuls are
+    counted (torch registers no FLOP formula for the CPU flash-attention kernel)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    counter = FlopCounterMode(display=False)
+    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), counter:
+        model(**inputs, return_dict=False)
+    return float(counter.get_total_flops())
+
+
+def _build(cls, config, meta: bool):
+    if meta:
+        with torch.device("meta"):
+            return cls(**config).eval()
+    torch.manual_seed(0)
+    return cls(**config).eval()
+
+
+@pytest.mark.parametrize("config,meta,latent,n_text", [(SD3_TINY, False, 16, 5), (SD35_MEDIUM, True, 64, 333)])
+def test_mmdit_formula_matches_flop_counter(config, meta, latent, n_text):
+    from diffusers import SD3Transformer2DModel
+
+    model = _build(SD3Transformer2DModel, config, meta)
+    device = "meta" if meta else "cpu"
+    counted = _counted(
+        model, hidden_states=torch.zeros(1, config["in_channels"], latent, latent, device=device),
+        encoder_hidden_states=torch.zeros(1, n_text, config["joint_attention_dim"], device=device),
+        pooled_projections=torch.zeros(1, config["pooled_projection_dim"], device=device), timestep=torch.ones(1, device=device),
+    )
+    n_image = (latent // config["patch_size"]) ** 2
+    analytic = mmdit_forward_flops(config, n_image, n_text)
+    assert analytic == pytest.approx(counted, rel=0.05)
+    if meta:  # issue 8's figure: 2443 GFLOP per image per forward for SD3.5-M at 512 px
+        assert analytic / 1e9 == pytest.approx(2443, rel=0.03)
+
+
+@pytest.mark.parametrize("config,meta,n_image,n_text", [(FLUX_TINY, False, 16, 6), (FLUX_DEV, True, 4096, 512)])
+def test_flux_formula_matches_flop_counter(config, meta, n_image, n_text):
+    from diffusers import FluxTransformer2DModel
+
+    model = _build(FluxTransformer2DModel, config, meta)
+    device = "meta" if meta else "cpu"
+    inputs = dict(
+        hidden_states=torch.zeros(1, n_image, config["in_channels"], device=device),
+        encoder_hidden_states=torch.zeros(1, n_text, config["joint_attention_dim"], device=device),
+        pooled_projections=torch.zeros(1, config["pooled_projection_dim"], device=device), timestep=torch.ones(1, device=device),
+        img_ids=torch.zeros(n_image, 3, device=device), txt_ids=torch.zeros(n_text, 3, device=device),
+    )
+    if config["guidance_embeds"]:
+        inputs["guidance"] = torch.ones(1, device=device)
+    assert flux_forward_flops(config, n_image, n_text) == pytest.approx(_counted(model, **inputs), rel=0.05)
+
+
+@pytest.mark.parametrize("config,meta,side,n_text", [(QWEN_TINY, False, 4, 7), (QWEN_IMAGE, True, 64, 120)])
+def test_qwen_image_formula_matches_flop_counter(config, meta, side, n_text):
+    from diffusers import QwenImageTransformer2DModel
+
+    model = _build(QwenImageTransformer2DModel, config, meta)
+    device = "meta" if meta else "cpu"
+    n_image = side * side
+    counted = _counted(
+        model, hidden_states=torch.zeros(1, n_image, config["in_channels"], device=device),
+        encoder_hidden_states=torch.zeros(1, n_text, config["joint_attention_dim"], device=device),
+        encoder_hidden_states_mask=torch.ones(1, n_text, dtype=torch.long, device=device), timestep=torch.ones(1, device=device),
+        img_shapes=[(1, side, side)],
+    )
+    assert qwen_image_forward_flops(config, n_image, n_text) == pytest.approx(counted, rel=0.05)
+
+
+def test_unet_formula_matches_flop_counter_tiny_and_sd15():
+    from diffusers import UNet2DConditionModel
+
+    from pipelines.sd15.adapter import TINY_UNET
+
+    for config, meta, side in ((dict(TINY_UNET), False, 16), (SD15_UNET, True, 64)):
+        model = _build(UNet2DConditionModel, config, meta)
+        device = "meta" if meta else "cpu"
+        counted = _counted(
+            model, sample=torch.zeros(1, 4, side, side, device=device), timestep=torch.ones(1, device=device),
+            encoder_hidden_states=torch.zeros(1, 77, config["cross_attention_dim"], device=device),
+        )
+        assert unet2d_forward_flops(config, side, side, 77) == pytest.approx(counted, rel=0.05), config["block_out_channels"]
+
+
+def test_counter_for_the_digits_adapter_with_lora_and_mfu(tiny_adapter):
+    from diffrl.engine import DiffusionEngine, EngineSettings
+    from diffrl.rollout import SamplerSettings
+
+    counter = counter_for_adapter(tiny_adapter, 16, 16, lora_rank=8, device_name="NVIDIA H200")
+    engine = DiffusionEngine(tiny_adapter, EngineSettings(lora_rank=8), SamplerSettings(num_steps=2))
+    engine.initialize()
+    cond = tiny_adapter.encode_prompts(["a red seven"] * 2)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    flop_mode = FlopCounterMode(display=False)
+    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), flop_mode:
+        tiny_adapter.predict(torch.zeros(2, 3, 16, 16), torch.full((2,), 0.5), cond, 1.0)
+    assert counter.forward_flops(2) == pytest.approx(flop_mode.get_total_flops(), rel=0.05)  # LoRA matmuls included
+    assert counter.rollout_flops(4, 10, guidance_scale=4.5) == pytest.approx(2 * 10 * counter.forward_flops(4))
+    assert counter.train_flops(4, 10) == pytest.approx(3 * counter.forward_flops(40))
+    assert counter.train_flops(4, 10, guidance_scale=2.0, extra_forwards=1) == pytest.approx(5 * counter.forward_flops(40))
+    assert counter.peak_flops == 989e12
+    assert counter.mfu(989e12 * 0.5, 1.0) == pytest.approx(0.5)
+    assert DiffusionFlopsCounter("mmdit", {}, 1, 1, peak_flops=None).mfu(1.0, 1.0) is None
+    with pytest.raises(ValueError, match="unknown FLOPs formula"):
+        DiffusionFlopsCounter("dit", {}, 1, 1)
