@@ -197,6 +197,8 @@ class TrainerConfig:
     """images in each evaluation grid"""
     threads: Optional[int] = None
     """torch CPU threads (null: torch's default)"""
+    peak_flops: Optional[float] = None
+    """FLOP/s per device for MFU (null: the device table of diffrl.flops; no MFU on CPU)"""
     backend: str = "local"
     """local (one worker in this process) | ray (one Ray actor per worker, torch.distributed + FSDP2)"""
     num_workers: int = 1

@@ -149,6 +149,7 @@ class Trainer:
         )
         self.workers.init_model()
         self.workers.set_loss_fn(loss_fn)
+        self.flops = self.workers.flops_counter(t.peak_flops)
         self.prompts = read_prompt_file(t.prompts) if t.prompts else self.workers.default_prompts()
         if not self.prompts:
             raise ValueError(f"model family {cfg.model.family!r} has no built-in prompts; set trainer.prompts=<file>")
@@ -322,7 +323,35 @@ class Trainer:
         if "ratio_mean" in out:
             record["first_ratio_mean"] = out["ratio_mean"][0]
         record.update(times)
+        record.update(self.throughput(record, times))
         return record
+
+    def throughput(self, record: dict, times: dict) -> dict:
+        """images/s per worker of the rollout and, where the device's peak is known, MFU of the rollout
+        and training passes (analytic FLOPs of ``diffrl.flops``; forward-only passes count 1/3 of a
+        training pass)."""
+        cfg, W = self.cfg, self.workers.world_size
+        s, a, t = cfg.sampler, cfg.algorithm, cfg.trainer
+        n = t.prompts_per_step * t.group_size
+        out = {}
+        if "time/rollout" in times:
+            out["perf/images_per_second_per_worker"] = n / times["time/rollout"] / W
+        if self.flops is None:
+            return out
+        if "time/rollout" in times:
+            mfu = self.flops.mfu(self.flops.rollout_flops(n, s.num_steps, s.guidance_scale), times["time/rollout"], W)
+            if mfu is not None:
+                out["perf/mfu_rollout"] = mfu
+        if a.trainer == "policy_gradient":
+            units, extra = n * int(self.window.masks(0).trained.sum()), int(a.kl_beta > 0)
+        elif a.trainer == "nft":
+            units, extra = n * int(a.nft_num_timesteps or s.num_steps), 1 + int(a.kl_beta > 0)
+        else:
+            units, extra = 2 * int(record.get("pairs", 0)) * a.dpo_num_timesteps, 1
+        mfu = self.flops.mfu(self.flops.train_flops(units, 1, s.guidance_scale, extra) * a.epochs, times["time/train"], W)
+        if mfu is not None:
+            out["perf/mfu_train"] = mfu
+        return out
 
     def trainer_state(self) -> dict:
         """JSON state saved next to the weights: what a resume needs beyond the engine."""

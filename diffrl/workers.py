@@ -274,6 +274,20 @@ class ActorRolloutRefWorker:
         return load_offline_pairs(path, self.actor.adapter)
 
     @register(Dispatch.ONE_TO_ALL)
+    def flops_counter(self, peak_flops: float | None = None):
+        """A DiffusionFlopsCounter of this worker's denoiser at the sampler's image size (its device's
+        peak from the table unless ``peak_flops`` is given); None for a denoiser without a formula."""
+        from diffrl.flops import counter_for_adapter
+
+        adapter, s = self.actor.adapter, self.config.sampler
+        device = adapter.device
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+        try:
+            return counter_for_adapter(adapter, s.height, s.width, lora_rank=self.config.engine.lora_rank, device_name=name, peak_flops=peak_flops)
+        except ValueError:
+            return None
+
+    @register(Dispatch.ONE_TO_ALL)
     def trainable_state(self) -> dict[str, torch.Tensor]:
         """Whole tensors of the trained parameters (every rank gathers its shards)."""
         return {n: t.cpu() for n, t in self.actor.engine.trainable_state().items()}

@@ -196,7 +196,7 @@ NFT = ("experiment=digits_nft", "algorithm.old_schedule=constant", "algorithm.ol
 
 def _train_records(run):
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if not k.startswith("time") and "seconds" not in k} for r in records if r["kind"] == "train"]
+    return [{k: v for k, v in r.items() if not k.startswith(("time", "perf/")) and "seconds" not in k} for r in records if r["kind"] == "train"]
 
 
 def test_nft_resume_restores_the_old_adapter_exactly(tmp_path):

@@ -151,3 +151,23 @@ def test_counter_for_the_digits_adapter_with_lora_and_mfu(tiny_adapter):
     assert DiffusionFlopsCounter("mmdit", {}, 1, 1, peak_flops=None).mfu(1.0, 1.0) is None
     with pytest.raises(ValueError, match="unknown FLOPs formula"):
         DiffusionFlopsCounter("dit", {}, 1, 1)
+
+
+def test_trainer_logs_mfu_and_images_per_second(tmp_path):
+    from diffrl.config import compose
+    from diffrl.trainer import Trainer
+
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a red seven\na blue two\n")
+    cfg = compose([
+        "sampler.num_steps=3", "sampler.eval_num_steps=2", "trainer.steps=1", "trainer.prompts_per_step=2", "trainer.group_size=2",
+        "trainer.eval_seeds_per_prompt=1", f"trainer.output_dir={tmp_path / 'run'}", "trainer.progress=false",
+        f"trainer.prompts={prompts}", "trainer.peak_flops=1e11",
+    ])
+    trainer = Trainer(cfg)
+    record = trainer.train_step(0)
+    counter = trainer.flops
+    assert record["perf/images_per_second_per_worker"] == pytest.approx(4 / record["time/rollout"])
+    assert record["perf/mfu_rollout"] == pytest.approx(counter.rollout_flops(4, 3) / (record["time/rollout"] * 1e11))
+    assert record["perf/mfu_train"] == pytest.approx(counter.train_flops(4 * 3, 1) / (record["time/train"] * 1e11))
+    assert 0 < record["perf/mfu_train"] < 1

@@ -16,7 +16,7 @@ SHORT = ["trainer.steps=3", "trainer.prompts_per_step=2", "trainer.group_size=4"
 
 
 def _numbers(records: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if not k.startswith("time/") and "seconds" not in k} for r in records]
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "perf/")) and "seconds" not in k} for r in records]
 
 
 def test_same_seed_gives_identical_metrics(tmp_path):
