@@ -55,6 +55,8 @@ class SamplerConfig:
     """noise scale of the stochastic step (Flow-GRPO's a, DanceGRPO's η, DDIM's η)"""
     ode_solver: str = "ode"
     """solver of the steps outside the SDE window: ode (Euler) | dpm2 (DPM-Solver++(2M))"""
+    clip_sample: Optional[float] = None
+    """ddim: clamp the predicted x0 to [-clip_sample, clip_sample] (pixel-space DDPM models); null: no clamp"""
     window: str = "all"
     """training window: all | fraction | fast (Flow-GRPO-Fast) | mixgrpo | random (DanceGRPO)"""
     timestep_fraction: float = 1.0

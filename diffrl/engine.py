@@ -244,7 +244,7 @@ class DiffusionEngine:
         out = adapter.predict(x, sigma, batch["cond"].to(device), self.sampler.guidance_scale)
         return run_step(
             self.sampler.step_kind, out, x, sigma, sigma_next, noise_level=self.sampler.noise_level,
-            prediction_type=getattr(self.adapter, "prediction_type", "flow"), prev_sample=x_next,
+            prediction_type=getattr(self.adapter, "prediction_type", "flow"), prev_sample=x_next, clip_sample=self.sampler.clip_sample,
         )
 
     def _trained_steps(self, batch: TensorDict) -> list[int]:

@@ -47,6 +47,7 @@ class SamplerSettings:
             (``ode``, ``dpm2``, ``ddim`` with η = 0) samples every step with itself.
         noise_level: the step kind's noise scale (Flow-GRPO's ``a``, DDIM's η).
         ode_solver: solver of the non-stochastic steps: ``ode`` (Euler) or ``dpm2``.
+        clip_sample: ``ddim`` clamps its x̂0 to ``[−clip_sample, clip_sample]`` (None: no clamp).
         guidance_scale: CFG scale; 1 runs no unconditional branch.
         shift: sigma-schedule shift; ``None`` takes the family's.
         height, width: image size in pixels.
@@ -56,6 +57,7 @@ class SamplerSettings:
     step_kind: str = "flow_sde"
     noise_level: float = 0.7
     ode_solver: str = "ode"
+    clip_sample: float | None = None
     guidance_scale: float = 1.0
     shift: float | None = None
     height: int = 16
@@ -149,7 +151,7 @@ def sample_trajectories(
             out_model = adapter.predict(x, sigma, c, settings.guidance_scale)
             out = run_step(
                 kinds[k], out_model, x, sigmas[k].item(), sigmas[k + 1].item(), noise_level=settings.noise_level,
-                prediction_type=prediction_type, generator=gens, history=history,
+                prediction_type=prediction_type, generator=gens, history=history, clip_sample=settings.clip_sample,
             )
             if prediction_type == "flow":  # x̂0 for the multistep solver's next step
                 history = (x.float() - sigmas[k].item() * out_model.float(), sigmas[k].item())

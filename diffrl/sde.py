@@ -231,6 +231,7 @@ def ddim_step(
     generator: Generators = None,
     prev_sample: torch.Tensor | None = None,
     prediction_type: str = "epsilon",
+    clip_sample: float | None = None,
 ) -> StepOutput:
     """DDIM (Song et al. 2021, "Denoising Diffusion Implicit Models", eq. 12) with ``η = noise_level``;
     the transition DDPO (Black et al. 2024) scores.
@@ -243,7 +244,9 @@ def ddim_step(
         c    = η·σ_next·√(1 − α²·σ_next² / (α_next²·σ²))      (= η·√β̃_t in the VP case)
         mean = α_next·x̂0 + √(σ_next² − c²)·ε̂,      prev = mean + c·z
 
-    ``η = 0`` is deterministic (``std = 0``, ``log_prob = 0``), as is a step to ``σ_next = 0`` (``c = 0``);
+    ``clip_sample = c`` clamps ``x̂0`` to ``[−c, c]`` before the update (pixel-space DDPM models), keeping
+    ``ε̂`` as predicted (diffusers' DDIMScheduler default). ``η = 0`` is deterministic (``std = 0``,
+    ``log_prob = 0``), as is a step to ``σ_next = 0`` (``c = 0``);
     ``η = 1`` gives the DDPM posterior
     variance ``β̃_t = (1 − ᾱ_prev)/(1 − ᾱ_t)·(1 − ᾱ_t/ᾱ_prev)``.
     """
@@ -264,6 +267,8 @@ def ddim_step(
         eps_hat = x + (1 - s) * out
     else:
         raise ValueError(f"ddim_step: unknown prediction_type {prediction_type!r}; use 'epsilon' or 'flow'")
+    if clip_sample is not None:
+        x0_hat = x0_hat.clamp(-clip_sample, clip_sample)
     ratio = (alpha * s_next) ** 2 / ((alpha_next * s) ** 2)
     var = noise_level**2 * s_next**2 * (1 - ratio).clamp_min(0.0)
     std = torch.sqrt(var)
@@ -360,8 +365,10 @@ def run_step(
     generator: Generators = None,
     prev_sample: torch.Tensor | None = None,
     history: tuple[torch.Tensor, torch.Tensor] | None = None,
+    clip_sample: float | None = None,
 ) -> StepOutput:
-    """Call step ``kind`` with the extras it takes (``prediction_type`` for ddim, ``history`` for dpm2).
+    """Call step ``kind`` with the extras it takes (``prediction_type`` and ``clip_sample`` for ddim,
+    ``history`` for dpm2).
 
     Raises:
         ValueError: a flow-only kind on an epsilon-prediction model (use ``ddim``).
@@ -374,7 +381,7 @@ def run_step(
         )
     extra = {}
     if kind == "ddim":
-        extra["prediction_type"] = prediction_type
+        extra.update(prediction_type=prediction_type, clip_sample=clip_sample)
     elif kind == "dpm2":
         extra["history"] = history
     return fn(model_output, sample, sigma, sigma_next, noise_level=noise_level, generator=generator, prev_sample=prev_sample, **extra)

@@ -107,3 +107,27 @@ def test_flow_step_kinds_refuse_an_epsilon_model(sd15):
     with pytest.raises(ValueError, match="sampler.step_kind=ddim"):
         sample_trajectories(sd15, ["a cat"], settings=SamplerSettings(num_steps=2, step_kind="flow_sde", height=32, width=32), seeds=[0])
 
+
+
+def test_ddim_clip_sample_matches_diffusers_and_is_selectable(sd15):
+    from diffusers import DDIMScheduler
+
+    from diffrl.sde import run_step
+
+    config = {k: v for k, v in sd15.scheduler_config.items() if not k.startswith("_")}
+    reference = DDIMScheduler(**{**config, "clip_sample": True, "clip_sample_range": 1.0})
+    reference.set_timesteps(10)
+    g = torch.Generator().manual_seed(3)
+    x, eps = 3 * torch.randn(2, 4, 8, 8, generator=g), torch.randn(2, 4, 8, 8, generator=g)
+    sigmas = sd15.schedule(10)
+    for i in (0, 5):
+        ours = run_step("ddim", eps, x, sigmas[i].item(), sigmas[i + 1].item(), noise_level=0.0, prediction_type="epsilon", clip_sample=1.0)
+        theirs = reference.step(eps, reference.timesteps[i], x, eta=0.0)
+        torch.testing.assert_close(ours.prev_sample, theirs.prev_sample, rtol=1e-4, atol=1e-5)
+        assert ours.x0.abs().max() <= 1.0 and theirs.pred_original_sample.abs().max() <= 1.0
+    unclipped = run_step("ddim", eps, x, sigmas[0].item(), sigmas[1].item(), noise_level=0.0, prediction_type="epsilon")
+    assert unclipped.x0.abs().max() > 1.0  # the clamp was active
+    settings = SamplerSettings(num_steps=2, step_kind="ddim", noise_level=1.0, clip_sample=1.0, height=32, width=32)
+    engine = DiffusionEngine(sd15, EngineSettings(lora_rank=0), settings)
+    td = sample_trajectories(sd15, ["a cat", "a dog"], settings=settings, seeds=[1, 2])
+    assert torch.equal(engine.infer_batch(td)["log_probs"], td["log_probs"])  # rollout and training clip alike
