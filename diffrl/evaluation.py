@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from diffrl.rollout import SamplerSettings, sample_seed, sample_trajectories
@@ -18,20 +20,30 @@ def eval_prompts_and_seeds(prompts: list[str], seeds_per_prompt: int, seed: int)
     return out_prompts, out_seeds
 
 
-@torch.no_grad()
-def evaluate(adapter, prompts: list[str], *, seeds: list[int], num_steps: int, guidance_scale: float, metrics: dict, micro_batch_size: int | None = None) -> tuple[dict[str, float], torch.Tensor]:
-    """Sample ``prompts`` deterministically (the Euler ODE for flow models, DDIM with η = 0 for epsilon
-    models) and average each metric (``name -> callable``, reward protocol).
+def deterministic_settings(settings: SamplerSettings, prediction_type: str, num_steps: int) -> SamplerSettings:
+    """``settings`` turned into the evaluation sampler: the Euler ODE for flow models, DDIM with η = 0 for
+    epsilon models, ``num_steps`` steps (image size, shift, guidance and clipping kept)."""
+    kind = "ode" if prediction_type == "flow" else "ddim"
+    return dataclasses.replace(settings, num_steps=num_steps, step_kind=kind, noise_level=0.0)
 
-    Returns:
-        ``({"eval/<name>": mean}, images uint8 [N, 3, H, W])``.
-    """
-    kind = "ode" if getattr(adapter, "prediction_type", "flow") == "flow" else "ddim"
-    settings = SamplerSettings(num_steps=num_steps, step_kind=kind, noise_level=0.0, guidance_scale=guidance_scale)
-    td = sample_trajectories(adapter, prompts, settings=settings, seeds=seeds, micro_batch_size=micro_batch_size)
-    images = td["images"]
+
+def score_images(images: torch.Tensor, prompts: list[str], metrics: dict) -> dict[str, float]:
+    """``{"eval/<name>": mean}`` of every metric (``name -> callable``, reward protocol) on ``images``."""
     result = {}
     for name, fn in metrics.items():
         out = fn(images, prompts, None)
         result[f"eval/{name}"] = float(out.get(name, next(iter(out.values()))).float().mean())
-    return result, images
+    return result
+
+
+@torch.no_grad()
+def evaluate(adapter, prompts: list[str], *, seeds: list[int], num_steps: int, guidance_scale: float, metrics: dict, micro_batch_size: int | None = None) -> tuple[dict[str, float], torch.Tensor]:
+    """Sample ``prompts`` deterministically (:func:`deterministic_settings`) and average each metric.
+
+    Returns:
+        ``({"eval/<name>": mean}, images uint8 [N, 3, H, W])``.
+    """
+    settings = deterministic_settings(SamplerSettings(num_steps=num_steps, guidance_scale=guidance_scale), getattr(adapter, "prediction_type", "flow"), num_steps)
+    td = sample_trajectories(adapter, prompts, settings=settings, seeds=seeds, micro_batch_size=micro_batch_size)
+    images = td["images"]
+    return score_images(images, prompts, metrics), images

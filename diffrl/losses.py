@@ -91,6 +91,14 @@ def _clipped_surrogate(log_ratio, advantages, clip_range, weight=None):
     return per_sample.mean(), ratio
 
 
+def _with_step_kl(policy_loss, kl_beta, mean, ref_mean, std, dt, kl_dt_scale, needed_by):
+    """``(policy_loss + β·mean KL, {"policy_loss", "kl"})`` with the step KL of :func:`step_kl` when β > 0."""
+    if kl_beta <= 0:
+        return policy_loss, {"policy_loss": policy_loss.item(), "kl": 0.0}
+    kl = step_kl(mean, ref_mean, std, dt=dt, kl_dt_scale=kl_dt_scale, needed_by=needed_by).mean()
+    return policy_loss + kl_beta * kl, {"policy_loss": policy_loss.item(), "kl": kl.item()}
+
+
 def _ratio_metrics(ratio, log_ratio, clip_range) -> dict[str, float]:
     with torch.no_grad():
         return {
@@ -142,13 +150,8 @@ def flow_grpo_loss(
     advantages = advantages.float()
     log_ratio = log_prob.float() - old_log_prob.float()
     policy_loss, ratio = _clipped_surrogate(log_ratio, advantages, clip_range)
-    loss = policy_loss
-    kl_value = 0.0
-    if kl_beta > 0:
-        kl = step_kl(mean, ref_mean, std, dt=dt, kl_dt_scale=kl_dt_scale, needed_by="flow_grpo").mean()
-        loss = loss + kl_beta * kl
-        kl_value = kl.item()
-    metrics = {"policy_loss": policy_loss.item(), "kl": kl_value, **_ratio_metrics(ratio, log_ratio, clip_range)}
+    loss, metrics = _with_step_kl(policy_loss, kl_beta, mean, ref_mean, std, dt, kl_dt_scale, "flow_grpo")
+    metrics.update(_ratio_metrics(ratio, log_ratio, clip_range))
     return loss, metrics
 
 
@@ -214,13 +217,8 @@ def grpo_guard_loss(
         log_ratio = s * raw_log_ratio + drift / (2 * s)
     weight = 1.0 / _check_dt(dt, "grpo_guard with grad_reweight=True").to(log_ratio.device) if grad_reweight else None
     policy_loss, ratio = _clipped_surrogate(log_ratio, advantages, clip_range, weight)
-    loss = policy_loss
-    kl_value = 0.0
-    if kl_beta > 0:
-        kl = step_kl(mean, ref_mean, std, dt=dt, kl_dt_scale=kl_dt_scale, needed_by="grpo_guard").mean()
-        loss = loss + kl_beta * kl
-        kl_value = kl.item()
-    metrics = {"policy_loss": policy_loss.item(), "kl": kl_value, **_ratio_metrics(ratio, log_ratio, clip_range)}
+    loss, metrics = _with_step_kl(policy_loss, kl_beta, mean, ref_mean, std, dt, kl_dt_scale, "grpo_guard")
+    metrics.update(_ratio_metrics(ratio, log_ratio, clip_range))
     metrics["raw_ratio_mean"] = torch.exp(raw_log_ratio.detach()).mean().item()
     metrics["step_weight"] = weight.mean().item() if weight is not None else 1.0
     return loss, metrics

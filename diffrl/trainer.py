@@ -25,7 +25,7 @@ from tensordict import NonTensorStack, TensorDict
 
 from diffrl import algorithms, checkpoint
 from diffrl.engine import EngineSettings, OptimConfig
-from diffrl.evaluation import eval_prompts_and_seeds
+from diffrl.evaluation import eval_prompts_and_seeds, score_images
 from diffrl.logging import JsonlWriter, Progress, save_grid
 from diffrl.rollout import SamplerSettings, sample_seed
 from diffrl.schedules import TrainingWindow
@@ -215,10 +215,7 @@ class Trainer:
         if s.micro_batch_size:
             request.set_non_tensor("micro_batch_size", int(s.micro_batch_size))
         images = self.workers.generate_sequences(request)["images"]
-        metrics = {}
-        for name, fn in self.eval_metrics.items():
-            out = fn(images, prompts, None)
-            metrics[f"eval/{name}"] = float(out.get(name, next(iter(out.values()))).float().mean())
+        metrics = score_images(images, prompts, self.eval_metrics)
         first_seed = images[:: t.eval_seeds_per_prompt][: t.max_grid_images]
         save_grid(first_seed, self.output_dir / "images" / f"eval_step_{step:06d}.png", columns=min(10, len(first_seed)), scale=4)
         metrics["eval/seconds"] = time.perf_counter() - start

@@ -8,7 +8,6 @@ In this version the workers run in-process (the embedded default).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ from tensordict import TensorDict
 from diffrl import adapters as lora
 from diffrl import checkpoint
 from diffrl.engine import DiffusionEngine, EngineSettings
+from diffrl.evaluation import deterministic_settings
 from diffrl.rollout import SamplerSettings, sample_seed, sample_trajectories
 from diffrl.single_controller.base import Dispatch, register
 
@@ -97,25 +97,20 @@ class TrainingWorker:
         return out
 
     def train_mini_batch(self, data: TensorDict) -> TensorDict:
-        """Split ``data`` into mini-batches (``mini_batch_size``, or ``num_mini_batches`` near-equal ones)
-        and run ``epochs`` passes over them.
+        """Split ``data`` into mini-batches of ``mini_batch_size`` and run ``epochs`` passes over them.
 
         The order within each epoch is a permutation seeded by ``seed + epoch``. Returns every
         optimizer step's metrics as lists under ``metrics``.
         """
         pop_flag(data, "disable_auto_offload", False)
         batch_size = data.shape[0]
-        mini_batch_size = pop_flag(data, "mini_batch_size", None)
-        num_mini_batches = pop_flag(data, "num_mini_batches", None)
+        mini_batch_size = int(pop_flag(data, "mini_batch_size", None) or batch_size)
         epochs = int(pop_flag(data, "epochs", 1))
         seed = int(pop_flag(data, "seed", 0))
         shuffle = bool(pop_flag(data, "shuffle", True))
-        if num_mini_batches is None:
-            mini_batch_size = int(mini_batch_size or batch_size)
-            if batch_size % mini_batch_size:
-                raise ValueError(f"batch of {batch_size} trajectories is not divisible by mini_batch_size={mini_batch_size}")
-            num_mini_batches = batch_size // mini_batch_size
-        num_mini_batches = max(1, min(int(num_mini_batches), batch_size))
+        if batch_size % mini_batch_size:
+            raise ValueError(f"batch of {batch_size} trajectories is not divisible by mini_batch_size={mini_batch_size}")
+        num_mini_batches = batch_size // mini_batch_size
         collected: dict[str, list] = defaultdict(list)
         for epoch in range(epochs):
             permute = shuffle and (epochs > 1 or num_mini_batches > 1)
@@ -207,9 +202,8 @@ class ActorRolloutRefWorker:
     def _sample(self, data: TensorDict, prompts: list[str]) -> TensorDict:
         settings = self.config.sampler
         eval_steps = get_flag(data, "eval_num_steps")
-        if eval_steps:  # deterministic evaluation: Euler ODE (flow) or DDIM η = 0 (epsilon), no trained steps
-            kind = "ode" if self.actor.adapter.prediction_type == "flow" else "ddim"
-            settings = dataclasses.replace(settings, num_steps=int(eval_steps), step_kind=kind, noise_level=0.0)
+        if eval_steps:  # deterministic evaluation, no trained steps
+            settings = deterministic_settings(settings, self.actor.adapter.prediction_type, int(eval_steps))
             return sample_trajectories(
                 self.actor.adapter, prompts, settings=settings, seeds=data["seeds"].tolist(), group_id=data["group_id"],
                 micro_batch_size=get_flag(data, "micro_batch_size"),
