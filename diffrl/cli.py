@@ -1,6 +1,8 @@
 """``diffrl`` command line.
 
-    diffrl train [key=value ...]     run a recipe (default: experiment=digits_flow_grpo on CPU)
+    diffrl train [key=value ...]          run a recipe (default: experiment=digits_flow_grpo on CPU)
+    diffrl sample / eval / export-lora    sample images, evaluate, export the LoRA (diffrl.commands)
+    diffrl serve-reward reward=<name>     serve a registered reward over HTTP (diffrl.reward_server)
 
 Overrides use hydra syntax: ``diffrl train experiment=digits_flow_grpo trainer.steps=20
 trainer.output_dir=runs/a``. Errors in the config, missing files and failing rewards print one line
@@ -33,20 +35,23 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="run a training recipe", description="run a training recipe; overrides as key=value")
     train.add_argument("overrides", nargs="*", help="hydra overrides, e.g. experiment=digits_flow_grpo trainer.steps=20")
+    from diffrl import commands, reward_server
+
+    handlers = {"train": lambda args: _train(args.overrides)}
+    handlers.update(commands.add_parsers(sub))  # name -> handler(args) -> exit status
+    handlers.update(reward_server.add_parsers(sub))
     args = parser.parse_args(argv)
     from diffrl.config import ConfigError
     from diffrl.trainer import RunFolderError
     from rewards.base import RewardError
 
     try:
-        if args.command == "train":
-            return _train(args.overrides)
+        return handlers[args.command](args)
     except (ConfigError, FileNotFoundError, RunFolderError, RewardError, ValueError) as exc:
         if os.environ.get("DIFFRL_TRACEBACK"):
             raise
         print(f"diffrl: error: {exc}", file=sys.stderr, flush=True)
         return 2
-    return 1
 
 
 if __name__ == "__main__":

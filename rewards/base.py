@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 
 _REGISTRY: dict[str, type] = {}
-_BUILTIN_MODULES = ("rewards.digits", "rewards.jpeg")
+_BUILTIN_MODULES = ("rewards.digits", "rewards.jpeg", "rewards.ocr", "rewards.clip_models", "rewards.remote", "rewards.vlm_judge")
 
 
 class RewardError(RuntimeError):
