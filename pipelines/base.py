@@ -94,6 +94,10 @@ class ModelAdapter(abc.ABC):
         return uncond + guidance_scale * (cond - uncond)
 
 
+# built-in families whose module is not ``pipelines.<family>``
+_FAMILY_MODULES = {"digits_eps": "pipelines.digits.eps"}
+
+
 def register_family(name: str):
     """Class decorator: make a family buildable by name from config (``model.family=<name>``)."""
 
@@ -111,7 +115,7 @@ def build_adapter(family: str, **kwargs) -> ModelAdapter:
         import importlib
 
         try:
-            importlib.import_module(f"pipelines.{family}")
+            importlib.import_module(_FAMILY_MODULES.get(family, f"pipelines.{family}"))
         except ModuleNotFoundError:
             pass
     if family not in _FAMILIES:

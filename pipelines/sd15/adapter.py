@@ -18,6 +18,7 @@ import torch
 from tensordict import TensorDict
 
 from pipelines.base import ModelAdapter, register_family
+from pipelines.ddpm import DDPMSchedule, alphas_cumprod  # noqa: F401  (re-exported)
 
 COMPONENTS = ("unet", "vae", "text_encoder", "tokenizer", "scheduler")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -113,20 +114,8 @@ def load_components(path: str | Path) -> dict:
     }
 
 
-def alphas_cumprod(config: dict) -> torch.Tensor:
-    """ᾱ_t of the DDPM schedule in ``config`` (``scaled_linear`` or ``linear`` betas), fp64."""
-    n, b0, b1 = config["num_train_timesteps"], config["beta_start"], config["beta_end"]
-    if config.get("beta_schedule", "linear") == "scaled_linear":
-        betas = torch.linspace(b0**0.5, b1**0.5, n, dtype=torch.float64) ** 2
-    elif config["beta_schedule"] == "linear":
-        betas = torch.linspace(b0, b1, n, dtype=torch.float64)
-    else:
-        raise ValueError(f"unsupported beta_schedule {config['beta_schedule']!r} (scaled_linear or linear)")
-    return torch.cumprod(1 - betas, 0)
-
-
 @register_family("sd15")
-class SD15Adapter(ModelAdapter):
+class SD15Adapter(DDPMSchedule, ModelAdapter):
     """Stable Diffusion 1.5 (epsilon prediction, DDIM/DDPM schedule).
 
     Args:
@@ -147,11 +136,8 @@ class SD15Adapter(ModelAdapter):
         self.vae = parts["vae"].to(device).eval().requires_grad_(False)
         self.text_encoder = parts["text_encoder"].to(device).eval().requires_grad_(False)
         self.tokenizer = parts["tokenizer"]
-        self.scheduler_config = parts["scheduler"]
+        self._init_schedule(parts["scheduler"])
         self.decode_chunk = decode_chunk
-        abar = alphas_cumprod(self.scheduler_config)
-        self._abar = abar
-        self._sigma_table = torch.sqrt(1 - abar).float()  # σ of each training timestep, increasing in t
         self.vae_scale = float(getattr(self.vae.config, "scaling_factor", 0.18215))
         self.vae_factor = 2 ** (len(self.vae.config.block_out_channels) - 1)
 
@@ -177,25 +163,6 @@ class SD15Adapter(ModelAdapter):
         if height % self.vae_factor or width % self.vae_factor:
             raise ValueError(f"image size {height}×{width} must be divisible by the VAE factor {self.vae_factor}")
         return (self.denoiser.config.in_channels, height // self.vae_factor, width // self.vae_factor)
-
-    def schedule(self, num_steps: int, shift: float | None = None) -> torch.Tensor:
-        """DDIM's ``leading`` timesteps ``t_i = i·(T/K) + offset`` as noise levels, then the final level
-        ``√(1 − ᾱ_0)`` (``set_alpha_to_one=False``): ``[num_steps + 1]`` decreasing."""
-        if shift not in (None, 1.0):
-            raise ValueError("the SD1.5 family samples on its DDPM schedule; sampler.shift must be null")
-        T = self.scheduler_config["num_train_timesteps"]
-        if not 1 <= num_steps <= T:
-            raise ValueError(f"num_steps must be in [1, {T}], got {num_steps}")
-        offset = self.scheduler_config.get("steps_offset", 0)
-        timesteps = (torch.arange(num_steps - 1, -1, -1) * (T // num_steps) + offset).clamp(max=T - 1)
-        final = torch.tensor([1.0]) if self.scheduler_config.get("set_alpha_to_one", False) else self._abar[:1].float()
-        sigmas = torch.cat([self._sigma_table[timesteps], torch.sqrt(1 - final).float()])
-        return sigmas
-
-    def timestep(self, sigma: torch.Tensor) -> torch.Tensor:
-        """The training timestep whose noise level is nearest to ``sigma`` ``[B]``."""
-        table = self._sigma_table.to(sigma.device)
-        return (table[None, :] - sigma.float()[:, None]).abs().argmin(dim=1)
 
     def predict(self, latents: torch.Tensor, sigma: torch.Tensor, cond: TensorDict, guidance_scale: float) -> torch.Tensor:
         dtype = next(self.denoiser.parameters()).dtype
