@@ -38,7 +38,7 @@ RECIPES = {
 
 def run_one(name: str, overrides: list[str], out: Path, threads: int) -> dict:
     run_dir = out / name
-    cmd = [sys.executable, "-m", "diffrl.cli", "train", *overrides, f"trainer.output_dir={run_dir}", f"trainer.threads={threads}", "trainer.progress=false"]
+    cmd = [sys.executable, "-m", "diffrl.cli", "train", *overrides, f"trainer.output_dir={run_dir}", f"trainer.threads={threads}", "trainer.progress=false", "trainer.wandb=disabled"]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS=str(threads))
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)

@@ -8,7 +8,8 @@ A checkpoint is a folder ``<root>/step_<N>/`` holding
   scheduler's state;
 * ``old_policy.safetensors`` – the old policy of full fine-tuning (a LoRA "old" adapter is in model);
 * ``rng.safetensors`` – torch's CPU generator state;
-* ``state.json`` – the global step and any caller state (trainer position, metrics).
+* ``state.json`` – the global step, the LoRA rank and alpha (``lora``; null for full fine-tuning) and any caller
+  state (trainer position, metrics).
 
 It is written into ``step_<N>.tmp-<pid>/`` and renamed into place when complete, so a folder named
 ``step_<N>`` is always whole; an existing complete checkpoint is never overwritten.
@@ -99,7 +100,8 @@ def save_engine(engine, root: str | Path, *, global_step: int, extra_state: dict
             meta = dict(optimizer[1], scheduler=engine.scheduler.state_dict() if engine.scheduler is not None else None)
             (tmp / "optimizer.json").write_text(json.dumps(meta))
         save_file({"torch_cpu": torch.get_rng_state()}, str(tmp / "rng.safetensors"))
-        (tmp / "state.json").write_text(json.dumps({"global_step": global_step, **(extra_state or {})}, indent=2))
+        lora = {"rank": int(engine.settings.lora_rank), "alpha": float(engine.settings.lora_alpha)} if engine.settings.lora_rank else None
+        (tmp / "state.json").write_text(json.dumps({"global_step": global_step, "lora": lora, **(extra_state or {})}, indent=2))
         os.replace(tmp, final)
         _fsync_dir(root)
     parallel.barrier()

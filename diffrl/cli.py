@@ -42,12 +42,13 @@ def main(argv: list[str] | None = None) -> int:
     handlers.update(reward_server.add_parsers(sub))
     args = parser.parse_args(argv)
     from diffrl.config import ConfigError
+    from diffrl.logging import WandbInitError
     from diffrl.trainer import RunFolderError
     from rewards.base import RewardError
 
     try:
         return handlers[args.command](args)
-    except (ConfigError, FileNotFoundError, RunFolderError, RewardError, ValueError) as exc:
+    except (ConfigError, FileNotFoundError, RunFolderError, RewardError, WandbInitError, ValueError) as exc:
         if os.environ.get("DIFFRL_TRACEBACK"):
             raise
         print(f"diffrl: error: {exc}", file=sys.stderr, flush=True)

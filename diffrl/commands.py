@@ -422,7 +422,14 @@ def run_export_lora(args) -> int:
     weights = load_file(str(source.checkpoint / "model.safetensors"))
     if not any("lora_" in n for n in weights):
         raise ValueError(f"checkpoint {source.checkpoint} holds full fine-tuned weights (model.lora.rank=0), not a LoRA; there is no LoRA to export")
-    rank, alpha = int(cfg.model.lora.rank), float(cfg.model.lora.alpha)
+    saved = json.loads((source.checkpoint / "state.json").read_text()).get("lora") if (source.checkpoint / "state.json").is_file() else None
+    if saved:  # the checkpoint records what it was trained with; older checkpoints fall back to the config
+        if source.run_config is None and (int(cfg.model.lora.rank), float(cfg.model.lora.alpha)) != (saved["rank"], saved["alpha"]):
+            print(f"diffrl: note: using the checkpoint's LoRA rank {saved['rank']} / alpha {saved['alpha']} (the recipe config says "
+                  f"{cfg.model.lora.rank} / {cfg.model.lora.alpha})", file=sys.stderr, flush=True)
+        rank, alpha = int(saved["rank"]), float(saved["alpha"])
+    else:
+        rank, alpha = int(cfg.model.lora.rank), float(cfg.model.lora.alpha)
     state = diffusers_lora_state(weights, rank=rank, alpha=alpha)
     modules = sorted({k.rsplit(".lora_", 1)[0] for k in state})
     out = prepare_out(args.out, [LORA_WEIGHT_NAME, "diffrl_lora.json"], args.overwrite)
@@ -430,7 +437,7 @@ def run_export_lora(args) -> int:
     getattr(diffusers, pipeline_name).save_lora_weights(
         str(out), weight_name=LORA_WEIGHT_NAME, **{f"{prefix}_lora_layers": state, f"{prefix}_lora_adapter_metadata": metadata}
     )
-    if source.run_config is None:
+    if source.run_config is None and not saved:
         print(
             f"diffrl: warning: LoRA alpha taken from the recipe config (model.lora.alpha={alpha}, rank {rank}), not from a run's "
             "config.yaml; if the checkpoint was trained with another alpha, pass model.lora.alpha=<its value>", file=sys.stderr, flush=True,

@@ -36,6 +36,8 @@ class ModelConfig:
     """denoiser dtype: float32 | bfloat16 | float16"""
     device: str = "cpu"
     """torch device"""
+    options: dict[str, Any] = field(default_factory=dict)
+    """family-specific keyword arguments of the adapter (e.g. +model.options.decode_chunk=4, sample_size for FLUX, drop_text_encoders)"""
     lora: LoraSettings = field(default_factory=LoraSettings)
     fsdp: bool = True
     """shard the denoiser with FSDP2 when trainer.num_workers > 1"""
@@ -211,6 +213,14 @@ class TrainerConfig:
     """Ray: CPUs per worker"""
     resume: str = "never"
     """never | auto: continue from the newest complete checkpoint in output_dir (partial ones are ignored)"""
+    wandb: str = "offline"
+    """wandb logging: offline (run files in <output_dir>/wandb, nothing leaves the machine) | online | disabled"""
+    wandb_project: str = "diffrl"
+    """wandb project"""
+    wandb_entity: Optional[str] = None
+    """wandb entity (team or user; null: the account's default)"""
+    wandb_run_name: Optional[str] = None
+    """wandb run name (null: the run folder's name)"""
 
 
 @dataclass
@@ -290,6 +300,8 @@ def compose(overrides: list[str] | None = None, config_name: str = "config") -> 
             cfg = hydra_compose(config_name=config_name, overrides=list(overrides or []))
         schema = OmegaConf.structured(Config)
         OmegaConf.set_struct(schema, True)
+        OmegaConf.set_struct(schema.reward.options, False)  # per-reward option dicts: +reward.options.<name>.<key>=
+        OmegaConf.set_struct(schema.model.options, False)  # adapter keyword arguments: +model.options.<key>=
         cfg_typed = OmegaConf.merge(schema, OmegaConf.to_container(cfg, resolve=False))
         OmegaConf.resolve(cfg_typed)
     except (HydraException, OmegaConfBaseException) as exc:

@@ -28,12 +28,11 @@ def deterministic_settings(settings: SamplerSettings, prediction_type: str, num_
 
 
 def score_images(images: torch.Tensor, prompts: list[str], metrics: dict) -> dict[str, float]:
-    """``{"eval/<name>": mean}`` of every metric (``name -> callable``, reward protocol) on ``images``."""
-    result = {}
-    for name, fn in metrics.items():
-        out = fn(images, prompts, None)
-        result[f"eval/{name}"] = float(out.get(name, next(iter(out.values()))).float().mean())
-    return result
+    """``{"eval/<name>": mean}`` of every metric (``name -> callable``, reward protocol) on ``images``,
+    each called as it declared (:func:`rewards.base.call_reward`: batch size, uint8 or PIL input, checks)."""
+    from diffrl.logging import per_sample_scores
+
+    return {f"eval/{name}": float(values.mean()) for name, values in per_sample_scores(images, prompts, metrics).items()}
 
 
 @torch.no_grad()

@@ -114,7 +114,7 @@ def sample_trajectories(
     if settings.ode_solver not in ODE_SOLVERS:
         raise ValueError(f"unknown sampler.ode_solver {settings.ode_solver!r}; choose one of {ODE_SOLVERS}")
     K = settings.num_steps
-    sigmas = adapter.schedule(K, settings.shift)
+    sigmas = adapter.schedule(K, settings.shift, height=settings.height, width=settings.width)
     deterministic = is_deterministic(settings.step_kind, settings.noise_level)
     if sde_mask is None:
         sde_mask = torch.full((K,), not deterministic, dtype=torch.bool)

@@ -8,7 +8,9 @@ stochastic step. Evaluations (before the first step, every ``eval_every`` steps 
 sample fixed held-out seeds with the ODE and report the rewards and the gold metric.
 
 A run folder holds ``config.yaml``, ``metrics.jsonl`` (one line per step and per evaluation),
-``images/eval_step_<N>.png``, ``checkpoints/step_<N>/`` and, when the run completes, ``summary.json``.
+``images/eval_step_<N>.png`` and ``.jsonl`` (grid and per-sample scores), ``checkpoints/step_<N>/``,
+``wandb/`` (unless ``trainer.wandb=disabled``; see ``diffrl.logging``) and, when the run completes,
+``summary.json``.
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ from tensordict import NonTensorStack, TensorDict
 
 from diffrl import algorithms, checkpoint
 from diffrl.engine import EngineSettings, OptimConfig
-from diffrl.evaluation import eval_prompts_and_seeds, score_images
-from diffrl.logging import JsonlWriter, Progress, save_grid
+from diffrl.evaluation import eval_prompts_and_seeds
+from diffrl.logging import Progress, RunLogger, per_sample_scores
 from diffrl.rollout import SamplerSettings, sample_seed
 from diffrl.schedules import TrainingWindow
 from diffrl.single_controller import build_worker_group
@@ -98,7 +100,7 @@ def worker_config(cfg: DictConfig) -> TrainingWorkerConfig:
     a, m, s = cfg.algorithm, cfg.model, cfg.sampler
     return TrainingWorkerConfig(
         model_family=m.family,
-        model_kwargs={"path": m.path, "dtype": m.dtype, "device": m.device},
+        model_kwargs={**OmegaConf.to_container(m.options, resolve=True), "path": m.path, "dtype": m.dtype, "device": m.device},
         engine=EngineSettings(
             lora_rank=m.lora.rank, lora_alpha=m.lora.alpha, lora_dropout=m.lora.dropout, init_seed=cfg.trainer.seed,
             micro_batch_size=a.micro_batch_size, fsdp=m.fsdp, param_offload=m.param_offload,
@@ -215,9 +217,9 @@ class Trainer:
         if s.micro_batch_size:
             request.set_non_tensor("micro_batch_size", int(s.micro_batch_size))
         images = self.workers.generate_sequences(request)["images"]
-        metrics = score_images(images, prompts, self.eval_metrics)
-        first_seed = images[:: t.eval_seeds_per_prompt][: t.max_grid_images]
-        save_grid(first_seed, self.output_dir / "images" / f"eval_step_{step:06d}.png", columns=min(10, len(first_seed)), scale=4)
+        scores = per_sample_scores(images, prompts, self.eval_metrics)
+        metrics = {f"eval/{name}": float(values.mean()) for name, values in scores.items()}
+        self.logger.log_eval_samples(step, images, prompts, seeds, scores, samples_per_prompt=t.eval_seeds_per_prompt, max_grid_images=t.max_grid_images)
         metrics["eval/seconds"] = time.perf_counter() - start
         return metrics
 
@@ -228,12 +230,15 @@ class Trainer:
         (self.output_dir / "images").mkdir(parents=True, exist_ok=True)
         (self.output_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
         start_step, before, last_eval = self._resume() if self.resume_path else (0, None, None)
-        log = JsonlWriter(self.output_dir / "metrics.jsonl")
+        log = self.logger = RunLogger(
+            self.output_dir, wandb_mode=t.wandb, project=t.wandb_project, entity=t.wandb_entity, run_name=t.wandb_run_name,
+            config=OmegaConf.to_container(cfg, resolve=True), max_table_rows=t.max_grid_images,
+        )
         progress = Progress(t.steps, initial=start_step, enabled=t.progress, desc=cfg.experiment)
         try:
             if before is None:
                 before = self.evaluate(0)
-                log.write({"step": 0, "kind": "eval", **before, "wall_seconds": time.perf_counter() - wall_start})
+                log.log({"step": 0, "kind": "eval", **before, "wall_seconds": time.perf_counter() - wall_start})
                 progress.write(f"eval before training: {self._eval_line(before)}")
                 last_eval = before
             else:
@@ -241,12 +246,12 @@ class Trainer:
             for step in range(start_step, t.steps):
                 record = self.train_step(step)
                 record["wall_seconds"] = time.perf_counter() - wall_start
-                log.write(record)
+                log.log(record)
                 progress.update(reward=record.get("reward_mean", float("nan")), loss=record.get("loss", float("nan")))
                 done = step + 1
                 if done % t.eval_every == 0 or done == t.steps:
                     last_eval = self.evaluate(done)
-                    log.write({"step": done, "kind": "eval", **last_eval, "wall_seconds": time.perf_counter() - wall_start})
+                    log.log({"step": done, "kind": "eval", **last_eval, "wall_seconds": time.perf_counter() - wall_start})
                     progress.write(f"eval at step {done}: {self._eval_line(last_eval)}")
                 if (t.checkpoint_every and done % t.checkpoint_every == 0) or done == t.steps:
                     self.workers.save_checkpoint(self.output_dir / "checkpoints", global_step=done, extra_state=self.trainer_state())

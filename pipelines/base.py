@@ -78,8 +78,11 @@ class ModelAdapter(abc.ABC):
         """The family's built-in prompt set (used when ``trainer.prompts`` is not given), or None."""
         return None
 
-    def schedule(self, num_steps: int, shift: float | None = None) -> torch.Tensor:
-        """Sigmas ``[num_steps + 1]`` from 1 to 0 with the family's shift (or ``shift``)."""
+    def schedule(self, num_steps: int, shift: float | None = None, *, height: int | None = None, width: int | None = None) -> torch.Tensor:
+        """Sigmas ``[num_steps + 1]`` from 1 to 0 with the family's shift (or ``shift``).
+
+        ``height``/``width`` (pixels) are the image size, for families whose shift depends on it (FLUX's
+        dynamic shift); a static-shift family ignores them."""
         return shifted_sigmas(num_steps, self.shift if shift is None else shift)
 
     @property
@@ -120,4 +123,13 @@ def build_adapter(family: str, **kwargs) -> ModelAdapter:
             pass
     if family not in _FAMILIES:
         raise ValueError(f"unknown model family {family!r}; known families: {sorted(_FAMILIES)} (set model.family=…)")
-    return _FAMILIES[family](**kwargs)
+    cls = _FAMILIES[family]
+    import inspect
+
+    params = inspect.signature(cls.__init__).parameters
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        unknown = sorted(set(kwargs) - set(params))
+        if unknown:
+            valid = sorted(k for k in params if k != "self")
+            raise ValueError(f"model family {family!r} takes no option(s) {unknown}; its options are {valid} (model.options.<name>=…)")
+    return cls(**kwargs)

@@ -40,9 +40,10 @@ class DDPMSchedule:
         self._abar = alphas_cumprod(self.scheduler_config)
         self._sigma_table = torch.sqrt(1 - self._abar).float()  # σ of each training timestep, increasing in t
 
-    def schedule(self, num_steps: int, shift: float | None = None) -> torch.Tensor:
+    def schedule(self, num_steps: int, shift: float | None = None, *, height: int | None = None, width: int | None = None) -> torch.Tensor:
         """DDIM's ``leading`` timesteps ``t_i = i·(T/K) + offset`` as noise levels, then the final level
-        (``√(1 − ᾱ_0)``, or 0 with ``set_alpha_to_one``): ``[num_steps + 1]`` decreasing."""
+        (``√(1 − ᾱ_0)``, or 0 with ``set_alpha_to_one``): ``[num_steps + 1]`` decreasing. The DDPM
+        schedule does not depend on the image size (``height``/``width`` are ignored)."""
         if shift not in (None, 1.0):
             raise ValueError(f"{type(self).__name__} samples on its DDPM schedule; sampler.shift must be null")
         T = self.scheduler_config["num_train_timesteps"]

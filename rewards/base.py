@@ -1,11 +1,24 @@
 """The reward protocol and registry.
 
-A reward is a callable ``(images: uint8 [B, 3, H, W], prompts: list[str], metadata) -> dict[str, Tensor[B]]``
-registered by name. Names resolve, in order, from this registry (built-ins register on import), the
-``diffrl.rewards`` entry-point group of installed packages, or a ``"module:Class"`` path.
+A reward is a callable ``(images, prompts: list[str], metadata) -> dict[str, Tensor[B]]`` registered by
+name. Names resolve, in order, from this registry (built-ins register on import), the ``diffrl.rewards``
+entry-point group of installed packages, or a ``"module:Class"`` path (the module must be importable,
+i.e. on ``sys.path``). See ``docs/rewards.md``.
 
-:func:`score` runs a weighted set of rewards and checks every output: a wrong shape, NaN or Inf raises
-:class:`RewardError` naming the reward and the first bad sample.
+A reward declares, as class or instance attributes (all optional; defaults in :class:`Reward`):
+
+* ``name`` — registry name and the key of its main output;
+* ``unit`` — what one number means (``"probability"``, ``"−kB"``);
+* ``scale`` — ``(low, high)``, the closed range its main output lies in, or ``None`` (unbounded);
+  :func:`score` raises when a value falls outside it;
+* ``batch_size`` — the most images per call, or ``None`` (any); :func:`score` chunks the batch;
+* ``input`` — ``"uint8"`` (``images`` is a uint8 tensor ``[B, 3, H, W]``) or ``"pil"`` (a list of
+  ``B`` RGB ``PIL.Image.Image``); :func:`score` converts;
+* ``device`` — where its model runs (informational; the reward moves tensors itself).
+
+:func:`score` runs a weighted set of rewards and checks every output: a wrong shape, NaN or Inf (or a
+value outside the declared ``scale``) raises :class:`RewardError` naming the reward and the sample's
+index in the full batch.
 """
 
 from __future__ import annotations
@@ -18,26 +31,34 @@ import torch
 
 _REGISTRY: dict[str, type] = {}
 _BUILTIN_MODULES = ("rewards.digits", "rewards.jpeg", "rewards.ocr", "rewards.clip_models", "rewards.remote", "rewards.vlm_judge")
+ENTRY_POINT_GROUP = "diffrl.rewards"
+INPUT_KINDS = ("uint8", "pil")
 
 
 class RewardError(RuntimeError):
-    """A reward produced unusable output (wrong shape, NaN, Inf) or could not be built."""
+    """A reward produced unusable output (wrong shape, NaN, Inf, out of scale) or could not be built or reached."""
 
 
 class Reward:
     """Base class of rewards (subclassing is optional: any callable with the signature works).
 
     Attributes:
-        name: the registry name; also the key of its output.
-        unit: what the number means (e.g. ``"probability in [0, 1]"``).
+        name: the registry name; also the key of its main output.
+        unit: what the number means (e.g. ``"probability"``).
+        scale: ``(low, high)`` range of the main output, checked by :func:`score`; ``None``: unbounded.
+        batch_size: most images per call (:func:`score` splits larger batches); ``None``: any number.
+        input: ``"uint8"`` — ``images`` is a uint8 tensor ``[B, 3, H, W]``; ``"pil"`` — a list of RGB PIL images.
         device: where the reward model runs.
     """
 
     name: str = "reward"
     unit: str = "unspecified"
+    scale: tuple[float, float] | None = None
+    batch_size: int | None = None
+    input: str = "uint8"
     device: str = "cpu"
 
-    def __call__(self, images: torch.Tensor, prompts: list[str], metadata: Any = None) -> dict[str, torch.Tensor]:
+    def __call__(self, images, prompts: list[str], metadata: Any = None) -> dict[str, torch.Tensor]:
         raise TypeError(f"{type(self).__name__} must define __call__(images, prompts, metadata)")
 
 
@@ -52,76 +73,221 @@ def register_reward(name: str) -> Callable[[type], type]:
     return wrap
 
 
-def resolve_reward(name: str) -> type:
-    """The reward class for ``name`` (registry, entry point, or ``module:Class``)."""
+def registered_names() -> list[str]:
+    """Names of the built-in / decorated rewards and of the ``diffrl.rewards`` entry points."""
+    for module in _BUILTIN_MODULES:
+        importlib.import_module(module)
+    return sorted(set(_REGISTRY) | {ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)})
+
+
+def resolve_reward(name: str) -> Any:
+    """The reward class (or factory / callable) for ``name`` (registry, entry point, or ``module:Class``)."""
     if name not in _REGISTRY:
         for module in _BUILTIN_MODULES:
             importlib.import_module(module)
     if name in _REGISTRY:
         return _REGISTRY[name]
-    for ep in entry_points(group="diffrl.rewards"):
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
         if ep.name == name:
-            return ep.load()
+            try:
+                return ep.load()
+            except Exception as exc:
+                raise RewardError(f"reward {name!r}: entry point {ep.value!r} of group {ENTRY_POINT_GROUP!r} failed to load ({exc})") from exc
     if ":" in name:
         module_name, _, attr = name.partition(":")
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as exc:
-            raise RewardError(f"reward {name!r}: cannot import module {module_name!r} ({exc})") from exc
+            raise RewardError(f"reward {name!r}: cannot import module {module_name!r} ({exc}); put its folder on sys.path / PYTHONPATH") from exc
         if not hasattr(module, attr):
             raise RewardError(f"reward {name!r}: module {module_name!r} has no attribute {attr!r}")
         return getattr(module, attr)
     raise RewardError(
         f"unknown reward {name!r}; registered: {sorted(_REGISTRY)}; or give an entry point of group "
-        "'diffrl.rewards' or a 'module:Class' path"
+        f"{ENTRY_POINT_GROUP!r} or a 'module:Class' path"
     )
 
 
 def build_reward(name: str, **kwargs) -> Callable:
-    cls = resolve_reward(name)
-    reward = cls(**kwargs)
+    """Resolve ``name`` and build it: a class is instantiated with ``kwargs``; a plain function is used as is.
+
+    The declared attributes are validated (:func:`reward_spec`) so that a bad ``input`` or ``batch_size``
+    fails here, not in the middle of a run.
+    """
+    target = resolve_reward(name)
+    if isinstance(target, type):
+        try:
+            reward = target(**kwargs)
+        except TypeError as exc:
+            raise RewardError(f"reward {name!r}: cannot build {target.__name__}(**{kwargs}) ({exc}); check reward.options") from exc
+    elif callable(target):
+        if kwargs:
+            raise RewardError(f"reward {name!r} is a function and takes no options; got {sorted(kwargs)}")
+        reward = target
+    else:
+        raise RewardError(f"reward {name!r} resolved to {type(target).__name__}, which is not callable")
     if not getattr(reward, "name", None) or reward.name == Reward.name:
         reward.name = name
+    reward_spec(reward, name)
     return reward
 
 
-def check_output(name: str, value: Any, batch_size: int) -> torch.Tensor:
-    """Validate one reward output: a float tensor of shape ``[B]`` with no NaN/Inf."""
+def reward_spec(fn: Any, name: str | None = None) -> dict[str, Any]:
+    """The declared attributes of ``fn`` with defaults filled in; raises :class:`RewardError` when invalid."""
+    name = name or getattr(fn, "name", None) or getattr(fn, "__name__", "reward")
+    spec = {key: getattr(fn, key, getattr(Reward, key)) for key in ("unit", "scale", "batch_size", "input", "device")}
+    spec["name"] = getattr(fn, "name", None) or name
+    if spec["input"] not in INPUT_KINDS:
+        raise RewardError(f"reward {name!r} declares input={spec['input']!r}; use one of {INPUT_KINDS}")
+    bs = spec["batch_size"]
+    if bs is not None and (isinstance(bs, bool) or not isinstance(bs, int) or bs < 1):
+        raise RewardError(f"reward {name!r} declares batch_size={bs!r}; use a positive int or None")
+    scale = spec["scale"]
+    if scale is not None:
+        if len(scale) != 2 or not float(scale[0]) <= float(scale[1]):
+            raise RewardError(f"reward {name!r} declares scale={scale!r}; use (low, high) with low <= high, or None")
+        spec["scale"] = (float(scale[0]), float(scale[1]))
+    return spec
+
+
+def check_output(name: str, value: Any, batch_size: int, *, first_index: int = 0, scale: tuple[float, float] | None = None) -> torch.Tensor:
+    """Validate one reward output: a tensor of shape ``[B]``, finite, and inside ``scale`` if given.
+
+    ``first_index`` is the index of this chunk's first sample in the full batch, so that errors name the
+    sample the caller knows.
+    """
     if not isinstance(value, torch.Tensor):
         raise RewardError(f"reward {name!r} returned {type(value).__name__}, expected a tensor of shape [{batch_size}]")
     if value.shape != (batch_size,):
-        raise RewardError(f"reward {name!r} returned shape {tuple(value.shape)}, expected [{batch_size}]")
+        where = f" for samples {first_index}..{first_index + batch_size - 1}" if first_index else ""
+        raise RewardError(f"reward {name!r} returned shape {tuple(value.shape)}{where}, expected [{batch_size}]")
     value = value.detach().float().cpu()
     bad = ~torch.isfinite(value)
     if bool(bad.any()):
         i = int(bad.nonzero()[0, 0])
         raise RewardError(
-            f"reward {name!r} returned {value[i].item()} for sample {i} ({int(bad.sum())} non-finite of {batch_size}); "
+            f"reward {name!r} returned {value[i].item()} for sample {first_index + i} ({int(bad.sum())} non-finite of {batch_size}); "
             "fix the reward so that it returns finite scores"
         )
+    if scale is not None:
+        low, high = scale
+        tol = 1e-6 * max(1.0, abs(low), abs(high))
+        out = (value < low - tol) | (value > high + tol)
+        if bool(out.any()):
+            i = int(out.nonzero()[0, 0])
+            raise RewardError(
+                f"reward {name!r} returned {value[i].item()} for sample {first_index + i}, outside its declared scale "
+                f"[{low}, {high}]; fix the reward or its `scale` attribute"
+            )
     return value
 
 
+def to_pil(images: torch.Tensor) -> list:
+    """uint8 ``[B, 3, H, W]`` → ``B`` RGB ``PIL.Image.Image`` (exact: pixel ``(y, x)`` = ``images[b, :, y, x]``)."""
+    from PIL import Image
+
+    array = images.detach().cpu().permute(0, 2, 3, 1).contiguous().numpy()
+    return [Image.fromarray(a) for a in array]
+
+
+def from_pil(pil_images: list) -> torch.Tensor:
+    """``B`` PIL images of one size → uint8 ``[B, 3, H, W]`` (converted to RGB)."""
+    import numpy as np
+
+    arrays = [np.asarray(im.convert("RGB")) for im in pil_images]
+    sizes = {a.shape for a in arrays}
+    if len(sizes) > 1:
+        raise ValueError(f"images have different sizes {sorted(sizes)}; resize them to one size first")
+    return torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).contiguous()
+
+
+def check_images(images: Any, prompts: list[str]) -> None:
+    """Raise ``ValueError`` unless ``images`` is uint8 ``[B, 3, H, W]`` with ``B == len(prompts)``."""
+    if not isinstance(images, torch.Tensor) or images.dtype != torch.uint8 or images.ndim != 4 or images.shape[1] != 3:
+        got = f"{images.dtype} {tuple(images.shape)}" if isinstance(images, torch.Tensor) else type(images).__name__
+        raise ValueError(f"rewards take uint8 images [B, 3, H, W], got {got}; convert floats in [0, 1] with (x * 255).round().to(torch.uint8)")
+    if len(prompts) != images.shape[0]:
+        raise ValueError(f"got {len(prompts)} prompts for {images.shape[0]} images")
+
+
+def slice_metadata(metadata: Any, start: int, stop: int, batch_size: int) -> Any:
+    """Per-sample metadata (a list/tuple of length B) is sliced with the chunk; anything else is shared."""
+    if isinstance(metadata, (list, tuple)) and len(metadata) == batch_size:
+        return metadata[start:stop]
+    return metadata
+
+
+def call_reward(name: str, fn: Callable, images: torch.Tensor, prompts: list[str], metadata: Any = None) -> dict[str, torch.Tensor]:
+    """Call one reward the way it declared: in chunks of ``fn.batch_size``, on uint8 tensors or PIL images.
+
+    Every output of every chunk is checked (:func:`check_output`; the main output also against
+    ``fn.scale``) and the chunks are concatenated, so the result is ``{key: float Tensor[B]}`` on CPU and
+    equal to one call on the whole batch for any per-sample reward.
+
+    Args:
+        name: the reward's name in the config (used in errors; also the main output's key when present).
+        fn: the reward callable.
+        images: uint8 ``[B, 3, H, W]``.
+        prompts: ``B`` prompts.
+        metadata: passed through; a list/tuple of length ``B`` is sliced per chunk.
+    """
+    check_images(images, prompts)
+    spec = reward_spec(fn, name)
+    total = images.shape[0]
+    chunk = spec["batch_size"] or max(total, 1)
+    parts: dict[str, list[torch.Tensor]] = {}
+    for start in range(0, total, chunk):
+        stop = min(start + chunk, total)
+        batch = images[start:stop]
+        batch_in = to_pil(batch) if spec["input"] == "pil" else batch
+        result = fn(batch_in, list(prompts[start:stop]), slice_metadata(metadata, start, stop, total))
+        if not isinstance(result, dict) or not result:
+            raise RewardError(f"reward {name!r} returned {type(result).__name__}; expected a dict of name -> tensor [B]")
+        if parts and set(result) != set(parts):
+            raise RewardError(f"reward {name!r} returned keys {sorted(result)} for samples {start}..{stop - 1} but {sorted(parts)} before")
+        main = _main_key(name, fn, result)
+        for key, value in result.items():
+            checked = check_output(key, value, stop - start, first_index=start, scale=spec["scale"] if key == main else None)
+            parts.setdefault(key, []).append(checked)
+    if not parts:  # an empty batch
+        return {getattr(fn, "name", None) or name: torch.zeros(0)}
+    return {key: torch.cat(values) for key, values in parts.items()}
+
+
+def _main_key(name: str, fn: Callable, result: dict) -> str:
+    """The key of the main output: the config name, else the reward's ``name``, else the first key."""
+    for key in (name, getattr(fn, "name", None)):
+        if key in result:
+            return key
+    return next(iter(result))
+
+
 def score(rewards: dict[str, tuple[Callable, float]], images: torch.Tensor, prompts: list[str], metadata: Any = None) -> dict[str, torch.Tensor]:
-    """Run every reward and return ``{"reward/<name>": [B], …, "rewards": Σ weight·reward}``.
+    """Run every reward and return ``{"reward/<key>": [B], …, "rewards": Σ weight·main output}``.
+
+    ``"reward/<name>"`` always holds the main output of the reward configured as ``name`` (also when the
+    reward's own output key differs, e.g. ``remote``), next to every key the reward returned.
+
+    Each reward is called through :func:`call_reward` (its ``batch_size`` and ``input`` honoured, every
+    output checked). The main output of reward ``name`` is ``result[name]``, else ``result[fn.name]``,
+    else its first key.
 
     Args:
         rewards: ``name -> (callable, weight)``.
         images: uint8 ``[B, 3, H, W]``.
         prompts: ``B`` prompts.
+        metadata: passed to every reward (a list/tuple of length ``B`` is sliced with the chunks).
     """
+    check_images(images, prompts)
     batch_size = images.shape[0]
-    if len(prompts) != batch_size:
-        raise ValueError(f"got {len(prompts)} prompts for {batch_size} images")
     out: dict[str, torch.Tensor] = {}
     total = torch.zeros(batch_size)
     for name, (fn, weight) in rewards.items():
-        result = fn(images, prompts, metadata)
-        if not isinstance(result, dict) or not result:
-            raise RewardError(f"reward {name!r} returned {type(result).__name__}; expected a dict of name -> tensor [B]")
+        result = call_reward(name, fn, images, prompts, metadata)
         for key, value in result.items():
-            out[f"reward/{key}"] = check_output(key, value, batch_size)
-        main = result.get(name, next(iter(result.values())))
-        total = total + weight * check_output(name, main, batch_size)
+            out[f"reward/{key}"] = value
+        main = result[_main_key(name, fn, result)]
+        out[f"reward/{name}"] = main  # per-reward advantages look rewards up by their config name
+        total = total + float(weight) * main
     out["rewards"] = total
     return out

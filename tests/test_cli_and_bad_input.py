@@ -36,6 +36,23 @@ def test_cli_unknown_key_exits_with_message(capsys):
     assert "model.lora.rnk" in err and "rank" in err
 
 
+def test_model_and_reward_options_reach_the_adapter_and_reward(capsys):
+    from diffrl.trainer import worker_config
+    from pipelines import build_adapter
+
+    cfg = compose(["model=sd3_tiny", "+model.options.decode_chunk=3", "+model.options.max_sequence_length=16",
+                   "+reward.options.jpeg_compressibility.quality=50"])
+    kwargs = worker_config(cfg).model_kwargs
+    assert kwargs["decode_chunk"] == 3 and kwargs["max_sequence_length"] == 16 and kwargs["path"] is None
+    adapter = build_adapter("sd3", **kwargs)
+    assert adapter.decode_chunk == 3 and adapter.max_sequence_length == 16
+    assert cfg.reward.options.jpeg_compressibility.quality == 50
+    with pytest.raises(ValueError, match=r"takes no option\(s\) \['decode_chonk'\].*decode_chunk"):
+        build_adapter("sd3", **{**kwargs, "decode_chonk": 2})
+    assert main(["train", "model=sd3_tiny", "+model.options.decode_chonk=2", "trainer.wandb=disabled"]) == 2
+    assert "decode_chonk" in capsys.readouterr().err
+
+
 def test_missing_asset_path_is_named(tmp_path, capsys):
     missing = tmp_path / "no_such_model"
     assert main(["train", f"model.path={missing}", f"trainer.output_dir={tmp_path / 'run'}", *SHORT]) == 2

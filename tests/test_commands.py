@@ -210,15 +210,17 @@ def test_export_lora_sd15_loads_into_stable_diffusion_pipeline_and_reproduces_sa
     from diffrl.config import compose
     from pipelines.sd15.adapter import SD15Adapter, build_tiny_components
 
-    # an SD1.5 run folder: config.yaml + a checkpoint written by diffrl.checkpoint (LoRA r = 4, α = 12: scale 3)
+    # an SD1.5 run folder: config.yaml + a checkpoint written by diffrl.checkpoint (LoRA r = 4, α = 12: scale 3);
+    # the config says α = 16 (its default): the rank and alpha recorded in the checkpoint's state.json win
     run = tmp_path / "sd15_run"
     run.mkdir()
-    (run / "config.yaml").write_text(OmegaConf.to_yaml(compose(["model=sd15_tiny", "model.lora.rank=4", "model.lora.alpha=12"])))
+    (run / "config.yaml").write_text(OmegaConf.to_yaml(compose(["model=sd15_tiny", "model.lora.rank=4"])))
     settings = SamplerSettings(num_steps=3, step_kind="ddim", noise_level=0.0, guidance_scale=3.0, height=32, width=32)
     engine = DiffusionEngine(SD15Adapter(path=None, seed=0), EngineSettings(lora_rank=4, lora_alpha=12.0), settings)
     engine.initialize()
     randomise_lora(engine.module, scale=0.05, seed=1)
     ckpt = save_engine(engine, run / "checkpoints", global_step=7)
+    assert json.loads((ckpt / "state.json").read_text())["lora"] == {"rank": 4, "alpha": 12.0}
     out = tmp_path / "lora"
     assert main(["export-lora", "--checkpoint", str(ckpt), "--out", str(out)]) == 0
 

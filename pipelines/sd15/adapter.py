@@ -141,6 +141,10 @@ class SD15Adapter(DDPMSchedule, ModelAdapter):
         self.vae_scale = float(getattr(self.vae.config, "scaling_factor", 0.18215))
         self.vae_factor = 2 ** (len(self.vae.config.block_out_channels) - 1)
 
+    def save_pretrained(self, folder: str | Path) -> Path:
+        """Write the pipeline as the diffusers folder that ``model.path`` loads (:func:`save_pipeline`)."""
+        return save_pipeline(self.components(), folder)
+
     def components(self) -> dict:
         return {"unet": self.denoiser, "vae": self.vae, "text_encoder": self.text_encoder, "tokenizer": self.tokenizer, "scheduler": self.scheduler_config}
 

@@ -1,0 +1,443 @@
+"""Read finished (or running) run folders into pandas and plot them.
+
+A run folder (see ``diffrl.trainer``) holds ``config.yaml``, ``metrics.jsonl``, ``images/eval_step_<N>.png``
+and ``.jsonl``, ``checkpoints/step_<N>/``, ``summary.json`` and, unless wandb was disabled, ``wandb/``.
+
+>>> run = load_run("outputs/digits_flow_grpo-20260101-120000")       # doctest: +SKIP
+>>> run.eval[["step", "eval/digits", "eval/digits_gold"]]             # doctest: +SKIP
+>>> plot_curves([run, other], keys=["reward_mean", "eval/digits_gold"])  # doctest: +SKIP
+
+The offline wandb files are read back without wandb's servers by :func:`read_wandb_offline`: a
+``run-<id>.wandb`` file is a 7-byte header (``":W&B"``, magic ``0xBEE1``, version 0) followed by
+LevelDB log records (32 KiB blocks; each record a 7-byte header ``crc32 | length | type`` with types
+full / first / middle / last; LevelDB's ``doc/log_format.md``) whose payloads are wandb's protobuf
+``Record`` messages; the CRC is zlib's CRC-32 of the type byte then the payload.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Iterator, Sequence
+
+import pandas as pd
+
+_EVAL_FILE = re.compile(r"eval_step_(\d+)\.(png|jsonl)$")
+_STEP_DIR = re.compile(r"step_(\d+)$")
+
+
+@dataclass
+class Run:
+    """One run folder loaded into memory.
+
+    Attributes:
+        path: the run folder.
+        name: a label for plots (default: the folder's name).
+        config: the resolved run config (a plain dict of ``config.yaml``).
+        train: one row per training step (``step`` and every metric of ``metrics.jsonl``'s train lines).
+        eval: one row per evaluation (``step``, ``eval/<metric>``, ``eval/seconds``, ``wall_seconds``).
+        summary: ``summary.json`` (None while the run has not finished).
+    """
+
+    path: Path
+    name: str
+    config: dict
+    train: pd.DataFrame
+    eval: pd.DataFrame
+    summary: dict | None = None
+    _samples: dict = field(default_factory=dict, repr=False)
+
+    # -- evaluation images and samples ----------------------------------------------------------
+    def eval_steps(self) -> list[int]:
+        """Steps that have an evaluation grid, ascending."""
+        return sorted(int(m.group(1)) for p in (self.path / "images").glob("eval_step_*.png") if (m := _EVAL_FILE.search(p.name)))
+
+    def grid_path(self, step: int) -> Path:
+        path = self.path / "images" / f"eval_step_{step:06d}.png"
+        if not path.is_file():
+            raise FileNotFoundError(f"run {self.path} has no evaluation grid at step {step}; grids exist at steps {self.eval_steps()}")
+        return path
+
+    def grid(self, step: int):
+        """The evaluation grid at ``step`` as a PIL image (the first seed of each prompt, ×4 nearest)."""
+        from PIL import Image
+
+        with Image.open(self.grid_path(step)) as img:
+            return img.convert("RGB")
+
+    def samples(self, step: int | None = None) -> pd.DataFrame:
+        """Per-sample evaluation scores (``step, index, prompt, seed, grid_index, <metric> …``) at ``step``
+        (None: every evaluation, concatenated)."""
+        steps = self.eval_steps() if step is None else [step]
+        frames = []
+        for s in steps:
+            if s not in self._samples:
+                path = self.path / "images" / f"eval_step_{s:06d}.jsonl"
+                if not path.is_file():
+                    raise FileNotFoundError(f"run {self.path} has no per-sample evaluation file {path.name} (written by diffrl ≥ this version)")
+                self._samples[s] = pd.DataFrame([json.loads(line) for line in path.read_text().splitlines() if line.strip()])
+            frames.append(self._samples[s])
+        return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+    def checkpoints(self) -> dict[int, Path]:
+        """``{step: folder}`` of the complete checkpoints."""
+        from diffrl.checkpoint import list_checkpoints
+
+        return {int(_STEP_DIR.search(p.name).group(1)): p for p in list_checkpoints(self.path / "checkpoints")}
+
+    def metric(self, key: str) -> pd.DataFrame:
+        """``step`` and ``key`` from the train rows if they hold it, else from the eval rows."""
+        for frame in (self.train, self.eval):
+            if key in frame.columns:
+                return frame[["step", key]].dropna()
+        raise KeyError(f"run {self.name!r} has no metric {key!r}; train metrics: {list(self.train.columns)}, eval metrics: {list(self.eval.columns)}")
+
+
+def load_run(path: str | Path, name: str | None = None) -> Run:
+    """Load a run folder: ``metrics.jsonl`` into train and eval DataFrames, ``config.yaml``, ``summary.json``.
+
+    Raises:
+        FileNotFoundError: ``path`` is not a run folder (no ``metrics.jsonl``).
+    """
+    from omegaconf import OmegaConf
+
+    path = Path(path)
+    metrics = path / "metrics.jsonl"
+    if not metrics.is_file():
+        raise FileNotFoundError(f"{path} is not a diffrl run folder: {metrics.name} is missing (give the trainer.output_dir of a run)")
+    records = []
+    for line in metrics.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:  # the last line of a killed run may be cut
+            continue
+    frame = pd.DataFrame(records)
+    if "kind" not in frame.columns:
+        frame["kind"] = pd.Series(dtype=str)
+    split = lambda kind: frame[frame["kind"] == kind].drop(columns="kind").dropna(axis=1, how="all").reset_index(drop=True)
+    config_file = path / "config.yaml"
+    config = OmegaConf.to_container(OmegaConf.load(config_file), resolve=False) if config_file.is_file() else {}
+    summary_file = path / "summary.json"
+    summary = json.loads(summary_file.read_text()) if summary_file.is_file() else None
+    return Run(path=path, name=name or path.name, config=config, train=split("train"), eval=split("eval"), summary=summary)
+
+
+def _as_runs(runs: Run | str | Path | Iterable) -> list[Run]:
+    if isinstance(runs, (Run, str, Path)):
+        runs = [runs]
+    return [r if isinstance(r, Run) else load_run(r) for r in runs]
+
+
+def compare(runs: Sequence[Run | str | Path]) -> pd.DataFrame:
+    """One row per run: the scalar entries of ``summary.json`` (runs without a summary give NaN)."""
+    rows = []
+    for run in _as_runs(runs):
+        summary = run.summary or {}
+        rows.append({"run": run.name, **{k: v for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}})
+    return pd.DataFrame(rows).set_index("run")
+
+
+# -- plots --------------------------------------------------------------------------------------
+def plot_curves(runs: Run | str | Path | Sequence, keys: Sequence[str], *, ncols: int = 3, smooth: int = 1, figsize_per_plot=(4.0, 3.0)):
+    """One panel per metric ``key``, one line per run; returns the matplotlib ``Figure``.
+
+    Train metrics (e.g. ``reward_mean``, ``loss``) are drawn as lines (a running mean over ``smooth``
+    steps when ``smooth > 1``), evaluation metrics (``eval/<name>``) as lines with markers.
+
+    Raises:
+        KeyError: a key that no run has, with the metrics the runs do have.
+    """
+    import matplotlib.pyplot as plt
+
+    runs = _as_runs(runs)
+    keys = list(keys)
+    if not keys:
+        raise ValueError("plot_curves needs at least one metric key")
+    for key in keys:
+        if not any(key in r.train.columns or key in r.eval.columns for r in runs):
+            available = sorted({c for r in runs for c in (*r.train.columns, *r.eval.columns)} - {"step"})
+            raise KeyError(f"no run has the metric {key!r}; available: {available}")
+    ncols = min(ncols, len(keys))
+    nrows = -(-len(keys) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(figsize_per_plot[0] * ncols, figsize_per_plot[1] * nrows), squeeze=False)
+    for ax, key in zip(axes.flat, keys):
+        for run in runs:
+            try:
+                data = run.metric(key)
+            except KeyError:
+                continue
+            values = data[key].rolling(smooth, min_periods=1).mean() if smooth > 1 and key in run.train.columns else data[key]
+            ax.plot(data["step"], values, marker="o" if key in run.eval.columns else None, label=run.name)
+        ax.set_title(key)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(keys):]:
+        ax.set_visible(False)
+    if len(runs) > 1:
+        axes.flat[0].legend(fontsize="small")
+    fig.tight_layout()
+    return fig
+
+
+def plot_grids(run: Run | str | Path, steps: Sequence[int] | None = None, *, metrics: Sequence[str] | None = None, width: float = 10.0):
+    """The evaluation grids of ``run`` at ``steps`` (default: every evaluation), one row each, titled
+    with the step and the evaluation's mean metrics; returns the ``Figure``."""
+    import matplotlib.pyplot as plt
+
+    (run,) = _as_runs(run)
+    steps = list(steps) if steps is not None else run.eval_steps()
+    if not steps:
+        raise FileNotFoundError(f"run {run.path} has no evaluation grids")
+    grids = [run.grid(s) for s in steps]
+    aspect = grids[0].height / grids[0].width
+    fig, axes = plt.subplots(len(steps), 1, figsize=(width, width * aspect * len(steps) + 0.4 * len(steps)), squeeze=False)
+    for ax, step, grid in zip(axes[:, 0], steps, grids):
+        ax.imshow(grid)
+        ax.set_axis_off()
+        row = run.eval[run.eval["step"] == step]
+        names = metrics or [c for c in run.eval.columns if c.startswith("eval/") and c != "eval/seconds"]
+        stats = ", ".join(f"{n[5:] if n.startswith('eval/') else n}={row[n].iloc[-1]:.3f}" for n in names if n in row and len(row))
+        ax.set_title(f"step {step}" + (f": {stats}" if stats else ""))
+    fig.tight_layout()
+    return fig
+
+
+def plot_reward_histograms(run: Run | str | Path, metric: str, steps: Sequence[int] | None = None, *, bins: int = 20):
+    """Histograms of the per-sample evaluation ``metric`` at ``steps`` (default: first and last
+    evaluation) overlaid on one axis; returns the ``Figure``."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    (run,) = _as_runs(run)
+    available = run.eval_steps()
+    steps = list(steps) if steps is not None else sorted({available[0], available[-1]})
+    frames = {s: run.samples(s) for s in steps}
+    for s, frame in frames.items():
+        if metric not in frame.columns:
+            raise KeyError(f"evaluation at step {s} has no per-sample metric {metric!r}; it has {[c for c in frame.columns if c not in ('step', 'index', 'prompt', 'seed', 'grid_index')]}")
+    values = np.concatenate([f[metric].to_numpy() for f in frames.values()])
+    edges = np.histogram_bin_edges(values, bins=bins)
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for s, frame in frames.items():
+        ax.hist(frame[metric], bins=edges, alpha=0.5, label=f"step {s} (mean {frame[metric].mean():.3f})")
+    ax.set_xlabel(metric)
+    ax.set_ylabel("samples")
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    return fig
+
+
+# -- the trained policy -----------------------------------------------------------------------
+def eval_set(run: Run | str | Path, adapter=None) -> tuple[list[str], list[int]]:
+    """The run's held-out evaluation prompts and seeds (the same pairs its evaluations sampled).
+
+    Without a prompt file the prompts are the model family's built-in set (from ``adapter``, else a
+    freshly built one)."""
+    from diffrl.evaluation import eval_prompts_and_seeds
+    from diffrl.trainer import read_prompt_file
+
+    (run,) = _as_runs(run)
+    t = run.config["trainer"]
+    if t.get("prompts"):
+        prompts = read_prompt_file(t["prompts"])
+    else:
+        if adapter is None:
+            from pipelines import build_adapter
+
+            m = run.config["model"]
+            adapter = build_adapter(m["family"], path=m["path"], dtype=m["dtype"], device=m["device"])
+        prompts = adapter.default_prompts()
+    return eval_prompts_and_seeds(prompts, int(t["eval_seeds_per_prompt"]), int(t["eval_seed"]))
+
+
+def eval_metrics(run: Run | str | Path) -> dict:
+    """``{name: reward}``: the run's rewards and gold metric, built from its config (as the trainer does)."""
+    from rewards.base import build_reward
+
+    (run,) = _as_runs(run)
+    r = run.config["reward"]
+    options = r.get("options") or {}
+    names = dict.fromkeys([*r["names"], *([r["gold"]] if r.get("gold") else [])])
+    return {name: build_reward(name, **options.get(name, {})) for name in names}
+
+
+def sample_eval(run: Run | str | Path, adapter, prompts: list[str] | None = None, seeds: list[int] | None = None):
+    """Sample like the run's evaluations (its sampler settings made deterministic, ``eval_num_steps``)
+    with ``adapter`` (e.g. ``load_policy(run).adapter``, or the base model inside
+    ``worker.engine.reference()``) on ``prompts``/``seeds`` (default: :func:`eval_set`).
+
+    Returns:
+        ``(images uint8 [N, 3, H, W], prompts, seeds)``.
+    """
+    from omegaconf import OmegaConf
+
+    from diffrl.evaluation import deterministic_settings
+    from diffrl.rollout import sample_trajectories
+    from diffrl.trainer import worker_config
+
+    (run,) = _as_runs(run)
+    cfg = OmegaConf.create(run.config)
+    if prompts is None:
+        prompts, seeds = eval_set(run, adapter)
+    if seeds is None or len(seeds) != len(prompts):
+        raise ValueError("sample_eval needs one seed per prompt (or neither, for the run's evaluation set)")
+    settings = deterministic_settings(worker_config(cfg).sampler, adapter.prediction_type, int(cfg.sampler.eval_num_steps))
+    td = sample_trajectories(adapter, prompts, settings=settings, seeds=seeds, micro_batch_size=cfg.sampler.micro_batch_size)
+    return td["images"], prompts, seeds
+
+
+def load_policy(run: Run | str | Path, step: int | None = None):
+    """A ``TrainingWorker`` built from the run's config with checkpoint ``step`` loaded (None: the newest).
+
+    ``worker.adapter`` samples with the trained policy; ``with worker.engine.reference() as base:``
+    samples with the base model (LoRA disabled), so both can be compared on the same seeds.
+    """
+    from omegaconf import OmegaConf
+
+    from diffrl.trainer import worker_config
+    from diffrl.workers import TrainingWorker
+
+    (run,) = _as_runs(run)
+    found = run.checkpoints()
+    if not found:
+        raise FileNotFoundError(f"run {run.path} has no complete checkpoint")
+    if step is None:
+        step = max(found)
+    if step not in found:
+        raise FileNotFoundError(f"run {run.path} has no checkpoint at step {step}; checkpoints: {sorted(found)}")
+    worker = TrainingWorker(worker_config(OmegaConf.create(run.config)))
+    worker.reset()
+    worker.load_checkpoint(found[step])
+    return worker
+
+
+# -- offline wandb files ----------------------------------------------------------------------
+@dataclass
+class WandbOfflineRun:
+    """What :func:`read_wandb_offline` found: ``history`` (one dict per ``run.log`` commit, with ``_step``),
+    ``config`` (key → value), ``run_id`` and the ``files`` folder (media, tables)."""
+
+    run_dir: Path
+    run_id: str
+    history: list[dict]
+    config: dict
+    files: Path
+    artifacts: dict[str, dict] = field(default_factory=dict)
+    """client id → ``{"name", "type", "files": {path in artifact: local file}}`` (tables are artifacts)"""
+
+    def row(self, step: int) -> dict:
+        """The history row of wandb step ``step``."""
+        for row in self.history:
+            if row.get("_step") == step:
+                return row
+        raise KeyError(f"wandb history has no step {step}; steps: {[r.get('_step') for r in self.history]}")
+
+    def table(self, key: str, step: int) -> pd.DataFrame:
+        """The ``wandb.Table`` logged under ``key`` at ``step``; image cells become local file paths."""
+        ref = self.row(step)[key]["artifact_path"]  # wandb-client-artifact://<client id>/<path>
+        client_id, _, inner = ref.split("://", 1)[1].partition("/")
+        files = self.artifacts[client_id.split(":")[0]]["files"]
+        data = json.loads(Path(files[inner]).read_text())
+        cell = lambda v: files[v["path"]] if isinstance(v, dict) and v.get("_type") == "image-file" else v
+        return pd.DataFrame([[cell(v) for v in r] for r in data["data"]], columns=data["columns"])
+
+
+_BLOCK = 32768
+_FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
+
+
+def _wandb_payloads(path: Path) -> Iterator[bytes]:
+    data = path.read_bytes()
+    if len(data) < 7 or struct.unpack("<4sHB", data[:7]) != (b":W&B", 0xBEE1, 0):
+        raise ValueError(f"{path} is not a wandb run file (bad header)")
+    pos, pending = 7, b""
+    while pos + 7 <= len(data):
+        left = _BLOCK - pos % _BLOCK
+        if left < 7:  # the rest of a block too small for a header is padding
+            pos += left
+            continue
+        crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if kind == 0 and length == 0:  # zero-filled tail of a block
+            pos += left
+            continue
+        chunk = data[pos + 7 : pos + 7 + length]
+        if len(chunk) < length:  # a record cut by a still-running writer
+            return
+        if zlib.crc32(chunk, zlib.crc32(bytes([kind]))) & 0xFFFFFFFF != crc:
+            raise ValueError(f"{path}: corrupt record at byte {pos} (CRC mismatch)")
+        pos += 7 + length
+        if kind == _FULL:
+            yield chunk
+        elif kind == _FIRST:
+            pending = chunk
+        elif kind == _MIDDLE:
+            pending += chunk
+        elif kind == _LAST:
+            yield pending + chunk
+            pending = b""
+        else:
+            raise ValueError(f"{path}: unknown record type {kind} at byte {pos}")
+
+
+def _item_value(item):
+    which = item.WhichOneof("value")
+    if which is None or which == "none":
+        return json.loads(item.value_json) if item.value_json else None
+    value = getattr(item, which)
+    return json.loads(value) if which == "json" else value
+
+
+def _set_nested(target: dict, keys: list[str], value) -> None:
+    """``target[k0][k1]… = value`` (wandb splits a media value into items with a ``nested_key`` path)."""
+    for key in keys[:-1]:
+        target = target.setdefault(key, {})
+    target[keys[-1]] = value
+
+
+def read_wandb_offline(path: str | Path) -> WandbOfflineRun:
+    """Read an offline wandb run back: a run folder (its newest ``wandb/offline-run-*``), an
+    ``offline-run-*`` folder or a ``run-<id>.wandb`` file.
+
+    Returns:
+        :class:`WandbOfflineRun` with the logged history (values decoded from wandb's JSON: numbers stay
+        numbers, media and tables are their ``{"_type": …}`` descriptors) and the config.
+    """
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    path = Path(path)
+    if path.is_dir() and (path / "wandb").is_dir():
+        found = sorted((path / "wandb").glob("offline-run-*"))
+        if not found:
+            raise FileNotFoundError(f"{path / 'wandb'} holds no offline-run-* folder (was the run logged with trainer.wandb=offline?)")
+        path = found[-1]
+    files = sorted(path.glob("run-*.wandb")) if path.is_dir() else [path]
+    if not files or not files[0].is_file():
+        raise FileNotFoundError(f"no run-<id>.wandb file at {path}")
+    history, config, run_id, artifacts = [], {}, "", {}
+    for payload in _wandb_payloads(files[0]):
+        record = pb.Record()
+        record.ParseFromString(payload)
+        which = record.WhichOneof("record_type")
+        if which == "history":
+            row = {}
+            for item in record.history.item:
+                _set_nested(row, [item.key] if item.key else list(item.nested_key), _item_value(item))
+            if record.history.HasField("step"):
+                row.setdefault("_step", record.history.step.num)
+            history.append(row)
+        elif which == "run":
+            run_id = record.run.run_id
+            for item in record.run.config.update:
+                _set_nested(config, [item.key] if item.key else list(item.nested_key), json.loads(item.value_json))
+        elif which == "config":
+            for item in record.config.update:
+                _set_nested(config, [item.key] if item.key else list(item.nested_key), json.loads(item.value_json))
+        elif which == "artifact":
+            a = record.artifact
+            artifacts[a.client_id] = {"name": a.name, "type": a.type, "files": {c.path: Path(c.local_path) for c in a.manifest.contents}}
+    folder = files[0].parent
+    return WandbOfflineRun(run_dir=folder, run_id=run_id, history=history, config=config, files=folder / "files", artifacts=artifacts)
