@@ -171,6 +171,9 @@ class RewardConfig:
     """reward name → keyword arguments of its constructor"""
     gold: Optional[str] = "digits_gold"
     """metric reported as gold accuracy at evaluations (a reward name); null: none"""
+    async_chunks: int = 1
+    """sample a step's rollouts in this many chunks of whole prompt groups and score each chunk in a background
+    thread while the next one is sampled (remote and model rewards overlap with sampling); 1: sample, then score"""
 
 
 @dataclass

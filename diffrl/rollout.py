@@ -132,7 +132,9 @@ def sample_trajectories(
     device = adapter.device
     prediction_type = getattr(adapter, "prediction_type", "flow")
     unique = list(dict.fromkeys(prompts))
-    encoded = adapter.encode_prompts(unique)
+    # one prompt per text-encoder call: a prompt's embedding then does not depend on which other prompts share
+    # the batch, so a rollout cut into chunks (reward.async_chunks, data-parallel workers) is bit-identical
+    encoded = torch.cat([adapter.encode_prompts([p]) for p in unique]) if len(unique) > 1 else adapter.encode_prompts(unique)
     cond = encoded[torch.tensor([unique.index(p) for p in prompts])]
     if group_id is None:
         group_id = torch.tensor([unique.index(p) for p in prompts], dtype=torch.long)

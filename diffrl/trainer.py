@@ -87,6 +87,18 @@ def check_sizes(cfg: DictConfig) -> None:
             )
         if a.adv_drop_zero_std:
             raise ValueError("algorithm.adv_drop_zero_std leaves an uneven number of rows; with trainer.num_workers > 1 set it to false")
+        if not cfg.model.fsdp:
+            raise ValueError(
+                f"model.fsdp=false with trainer.num_workers={W}: the workers would train unsynchronised copies (gradients are "
+                "averaged by FSDP2); keep model.fsdp=true or use trainer.num_workers=1"
+            )
+    C = int(cfg.reward.async_chunks)
+    if C < 1 or t.prompts_per_step % C:
+        valid = [d for d in range(1, t.prompts_per_step + 1) if t.prompts_per_step % d == 0]
+        raise ValueError(f"reward.async_chunks={C} must divide trainer.prompts_per_step={t.prompts_per_step} (chunks are whole prompt groups); valid: {valid}")
+    if W > 1 and (batch // C) % W:
+        valid = [d for d in range(1, t.prompts_per_step + 1) if t.prompts_per_step % d == 0 and (batch // d) % W == 0]
+        raise ValueError(f"reward.async_chunks={C} gives chunks of {batch // C} rollouts, not divisible by trainer.num_workers={W}; valid: {valid}")
 
 
 def optimizer_steps(cfg: DictConfig) -> int:
@@ -301,12 +313,7 @@ class Trainer:
         record = {"step": step + 1, "kind": "train"}
         traj = scores = None
         if a.trainer != "preference" or self.offline_pairs is None:
-            start = time.perf_counter()
-            traj = self.workers.generate_sequences(self.rollout_request(step))
-            times["time/rollout"] = time.perf_counter() - start
-            start = time.perf_counter()
-            scores = score(self.rewards, traj["images"], list(traj.get("prompts").tolist()), {"step": step})
-            times["time/reward"] = time.perf_counter() - start
+            traj, scores = self.rollout_and_score(step, times)
             rewards = scores["rewards"]
             record.update(reward_mean=rewards.mean().item(), reward_std=rewards.std(unbiased=False).item())
             for key, value in scores.items():
@@ -327,6 +334,58 @@ class Trainer:
         record.update(times)
         record.update(self.throughput(record, times))
         return record
+
+    def rollout_and_score(self, step: int, times: dict) -> tuple[TensorDict, dict[str, torch.Tensor]]:
+        """Sample the step's rollouts and score them: ``(trajectories, scores)`` (``rewards.base.score``).
+
+        With ``reward.async_chunks = C > 1`` the request is cut into ``C`` chunks of whole prompt groups; each
+        chunk's images are scored in a background thread while the next chunk is sampled, so reward time
+        (a remote server, a reward model) hides behind sampling. Samples are seeded per sample and scores are
+        per sample, so the result equals ``C = 1`` (bit for bit when ``sampler.micro_batch_size`` divides the
+        chunk). A reward error surfaces here, after the chunks in flight finish; nothing is trained.
+
+        Sets ``time/rollout`` (sampling), ``time/reward`` (scoring, summed over chunks) and
+        ``time/reward_wait`` (sampling done, waiting for the last scores) in ``times``.
+        """
+        request = self.rollout_request(step)
+        chunks = int(self.cfg.reward.async_chunks)
+        metadata = {"step": step}
+
+        def timed_score(images: torch.Tensor, prompts: list[str]) -> tuple[dict, float]:
+            begin = time.perf_counter()
+            result = score(self.rewards, images, prompts, metadata)
+            return result, time.perf_counter() - begin
+
+        if chunks == 1:
+            start = time.perf_counter()
+            traj = self.workers.generate_sequences(request)
+            times["time/rollout"] = time.perf_counter() - start
+            scores, times["time/reward"] = timed_score(traj["images"], list(traj.get("prompts").tolist()))
+            return traj, scores
+        from concurrent.futures import ThreadPoolExecutor
+
+        size = request.batch_size[0] // chunks
+        parts, futures, sampling = [], [], 0.0
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="diffrl-reward") as pool:
+            try:
+                for c in range(chunks):
+                    start = time.perf_counter()
+                    part = self.workers.generate_sequences(request[c * size : (c + 1) * size])
+                    sampling += time.perf_counter() - start
+                    parts.append(part)
+                    futures.append(pool.submit(timed_score, part["images"], list(part.get("prompts").tolist())))
+                start = time.perf_counter()
+                results = [f.result() for f in futures]
+                times["time/reward_wait"] = time.perf_counter() - start
+            except BaseException:
+                for f in futures:
+                    f.cancel()
+                raise
+        times["time/rollout"] = sampling
+        times["time/reward"] = sum(seconds for _, seconds in results)
+        traj = torch.cat(parts, dim=0)
+        scores = {key: torch.cat([r[key] for r, _ in results]) for key in results[0][0]}
+        return traj, scores
 
     def throughput(self, record: dict, times: dict) -> dict:
         """images/s per worker of the rollout and, where the device's peak is known, MFU of the rollout

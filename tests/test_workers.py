@@ -114,7 +114,7 @@ def test_checkpoint_round_trip_is_atomic_and_exact(tmp_path):
 
     fresh = _worker()
     state = fresh.load_checkpoint(path)
-    assert state == {"global_step": 1, "note": "x"}
+    assert state == {"global_step": 1, "lora": {"rank": fresh.actor.engine.settings.lora_rank, "alpha": fresh.actor.engine.settings.lora_alpha}, "note": "x"}
     for n, p in fresh.actor.engine.trainable_state().items():
         assert torch.equal(p, saved[n])
     fresh_opt = fresh.actor.engine.optimizer.state_dict()
