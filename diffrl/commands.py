@@ -39,7 +39,9 @@ LORA_FORMATS = {
     "digits": ("StableDiffusion3Pipeline", "transformer"),
     "sd3": ("StableDiffusion3Pipeline", "transformer"),
     "flux": ("FluxPipeline", "transformer"),
+    "wan": ("WanPipeline", "transformer"),
     "sd15": ("StableDiffusionPipeline", "unet"),
+    "qwen_image": ("QwenImagePipeline", "transformer"),
 }
 LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
 _GROUPS = ("experiment", "model", "algorithm", "reward", "sampler")
@@ -161,6 +163,8 @@ def load_config(overrides: list[str], run_config: Path | None):
         return compose(overrides)
     schema = OmegaConf.structured(Config)
     OmegaConf.set_struct(schema, True)
+    for free_form in (schema.model.options, schema.reward.options):  # family / reward kwargs: any key
+        OmegaConf.set_struct(free_form, False)
     try:
         cfg = OmegaConf.merge(schema, OmegaConf.load(run_config))
     except OmegaConfBaseException as exc:
@@ -237,17 +241,27 @@ def score_per_image(images, prompts: list[str], metrics: dict) -> tuple[dict[str
     """Each metric called once: ``({name: per-image values}, {"eval/<name>": mean})``; the means come from
     ``diffrl.evaluation.score_images`` (the trainer's reduction) over the same outputs."""
     from diffrl.evaluation import score_images
-    from rewards.base import check_output
+    from rewards.base import call_reward, check_output
 
-    outputs = {name: fn(images, prompts, None) for name, fn in metrics.items()}
+    if images.ndim == 5:  # videos [B, F, 3, H, W]: per frame (or whole, video = True) as rewards/base.py's call_reward says
+        outputs = {name: call_reward(name, fn, images, prompts, None) for name, fn in metrics.items()}
+    else:
+        outputs = {name: fn(images, prompts, None) for name, fn in metrics.items()}
     per_image = {}
     for name, out in outputs.items():
         if not isinstance(out, dict) or not out:
             raise ValueError(f"reward {name!r} returned {type(out).__name__}; expected a dict of name -> tensor [B]")
         for key, value in out.items():
             per_image[key] = check_output(key, value, images.shape[0]).tolist()
-    means = score_images(images, prompts, {name: (lambda i, p, m, out=out: out) for name, out in outputs.items()})
+    means = score_images(images, prompts, {name: _precomputed(out) for name, out in outputs.items()})
     return per_image, means
+
+
+def _precomputed(out: dict):
+    """A reward that returns ``out`` (already one value per sample; ``video = True``: never split into frames)."""
+    fn = lambda images, prompts, metadata: out  # noqa: E731
+    fn.video = True
+    return fn
 
 
 def group_by_prompt(prompts: list[str], per_image: dict[str, list[float]]) -> dict[str, dict[str, float]]:
@@ -308,7 +322,7 @@ def _request(prompts: list[str], seeds: list[int], cfg, eval_num_steps: int | No
 
 # -- sample ---------------------------------------------------------------------------------------------
 def run_sample(args) -> int:
-    from diffrl.logging import save_grid
+    from diffrl.logging import save_gif, save_grid
 
     prompts = read_prompts(args, required=True)
     out = prepare_out(args.out, ["samples.json", "grid.png", "images"], args.overwrite)
@@ -325,7 +339,9 @@ def run_sample(args) -> int:
     samples = []
     for i, (prompt, seed) in enumerate(zip(all_prompts, seeds)):
         name = f"images/{i:04d}.png"
-        save_grid(images[i : i + 1], out / name, columns=1, padding=0)
+        save_grid(images[i : i + 1], out / name, columns=1, padding=0)  # a video's middle frame
+        if images.ndim == 5:
+            save_gif(images[i], out / f"images/{i:04d}.gif")
         samples.append({"index": i, "prompt": prompt, "seed": seed, "image": name, "rewards": {k: v[i] for k, v in per_image.items()}})
     save_grid(images, out / "grid.png", columns=len(args.seeds), scale=4)
     sampler = {"kind": cfg.sampler.kind if args.stochastic else "ode/ddim (deterministic)",

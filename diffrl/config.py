@@ -24,6 +24,8 @@ class LoraSettings:
     """LoRA alpha (scale = alpha / rank)"""
     dropout: float = 0.0
     """LoRA dropout (0 keeps rollout and training log-probs identical)"""
+    target_modules: Optional[list[str]] = None
+    """module names (peft target_modules) the LoRA attaches to; null: the model family's default"""
 
 
 @dataclass
@@ -45,6 +47,8 @@ class ModelConfig:
     """FSDP2: keep sharded parameters and optimizer state on the CPU"""
     activation_checkpointing: bool = False
     """recompute block activations in the backward pass"""
+    compile: bool = False
+    """torch.compile the denoiser in place after LoRA is attached (rollout and training share the compiled module; GPU speed)"""
 
 
 @dataclass

@@ -74,6 +74,8 @@ class EngineSettings:
     """LoRA alpha"""
     lora_dropout: float = 0.0
     """LoRA dropout (keep 0 for exact on-policy log-prob parity)"""
+    lora_target_modules: list[str] | None = None
+    """peft target_modules (None: the adapter's ``lora_target_modules``)"""
     init_seed: int = 0
     """seed of the LoRA initialisation (independent of the global RNG, so runs reproduce)"""
     micro_batch_size: int | None = None
@@ -86,7 +88,30 @@ class EngineSettings:
     """recompute block activations in the backward pass (the model's gradient checkpointing)"""
     old_policy: bool = False
     """create the ``old`` policy (a copy of the trained one) at initialisation, before any sharding"""
+    compile: bool = False
+    """``torch.compile`` the denoiser in place (``module.compile()``) once LoRA, gradient checkpointing and FSDP2
+    are applied: rollout and training then run the same compiled module, and state-dict keys do not change"""
+    compile_backend: str = "inductor"
+    """torch.compile backend of ``compile`` (``inductor`` on GPU; ``aot_eager`` for CPU tests)"""
     optim: OptimConfig = field(default_factory=OptimConfig)
+
+
+def compile_denoiser(module: torch.nn.Module, *, backend: str = "inductor") -> None:
+    """Compile ``module`` in place with ``torch.compile`` (``nn.Module.compile``: parameters, buffers and
+    state-dict keys stay those of the module, unlike a wrapping ``OptimizedModule``).
+
+    Shapes are static (``dynamic=False``): each batch shape gets its own graph (a rollout's CFG batch and a
+    training micro-batch are usually the same), which keeps the kernels shape-specialised and fast. Switching
+    LoRA adapters or disabling them (the reference policy) re-specialises on those flags once each; the
+    recompile limit is raised to 32 so that these variants (train/eval mode × grad × adapter state × batch
+    shapes) do not silently fall back to eager. Under FSDP2 the sharded module is compiled (not yet measured).
+    """
+    if getattr(module, "_compiled_call_impl", None) is not None:
+        return
+    dynamo_config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
+    setattr(dynamo_config, name, max(getattr(dynamo_config, name), 32))
+    module.compile(backend=backend, dynamic=False)
 
 
 class DiffusionEngine:
@@ -129,7 +154,7 @@ class DiffusionEngine:
                 torch.manual_seed(self.settings.init_seed)
                 lora.attach_lora(
                     module, rank=self.settings.lora_rank, alpha=self.settings.lora_alpha, dropout=self.settings.lora_dropout,
-                    target_modules=self.adapter.lora_target_modules,
+                    target_modules=self.settings.lora_target_modules or self.adapter.lora_target_modules,
                 )
             for p in lora.adapter_parameters(module, "default").values():
                 p.requires_grad_(True)
@@ -148,6 +173,8 @@ class DiffusionEngine:
         if self.settings.fsdp and parallel.world_size() > 1:
             parallel.apply_fsdp(module, self.adapter.fsdp_blocks(), param_offload=self.settings.param_offload)
             self.sharded = True
+        if self.settings.compile:
+            compile_denoiser(module, backend=self.settings.compile_backend)
         o = self.settings.optim
         self.optimizer = torch.optim.AdamW(self.trainable_parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
         lr_factor(0, o)  # validate the schedule before any work

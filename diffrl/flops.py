@@ -10,7 +10,7 @@ A forward of a transformer of width ``D`` over ``n`` tokens costs ``2·n·d_in·
 training pass. CFG doubles the forward batch.
 
 Families: ``mmdit`` (SD3/SD3.5 and the digits miniature), ``flux`` (FLUX.1 double and single blocks),
-``qwen_image`` (Qwen-Image MMDiT) and ``unet2d`` (SD1.5 UNet).
+``qwen_image`` (Qwen-Image MMDiT), ``wan`` (Wan2.1 video DiT) and ``unet2d`` (SD1.5 UNet).
 """
 
 from __future__ import annotations
@@ -116,6 +116,37 @@ def qwen_image_forward_flops(config: dict, n_image: int, n_text: int, lora_rank:
     return flops
 
 
+def wan_forward_flops(config: dict, n_image: int, n_text: int, lora_rank: int = 0) -> float:
+    """One sample through ``WanTransformer3DModel`` (diffusers ``models/transformers/transformer_wan.py``).
+
+    ``n_image`` = video tokens ``F_lat/p_t · H_lat/p_h · W_lat/p_w``; ``n_text`` = UMT5 tokens (the padded
+    ``max_sequence_length``: WanPipeline passes every padded row, no attention mask). With ``D = heads·head_dim``:
+    patch embedding (a strided 3-D conv) ``2·n·(C·p_t·p_h·p_w)·D``; the condition embedder (timestep
+    ``freq_dim → D → D``, ``time_proj D → 6D``; text ``text_dim → D → D`` on every text token); per block
+    self-attention ``4·2·n·D² + 4·n²·D``, cross-attention (q and out on the video tokens, k and v on the text
+    tokens) ``2·2·n·D² + 2·2·t·D² + 4·n·t·D`` and the GELU feed-forward ``2·2·n·D·ffn_dim``; the output
+    projection ``2·n·D·(C_out·p_t·p_h·p_w)``. LoRA (``lora_rank``) on to_q/to_k/to_v/to_out.0 of both
+    attentions. An image-conditioned model's extra image tokens (I2V ``added_kv_proj_dim``) are not counted.
+    """
+    D = config["num_attention_heads"] * config["attention_head_dim"]
+    patch = 1
+    for p in config["patch_size"]:
+        patch *= int(p)
+    c_in = config["in_channels"]
+    c_out = config.get("out_channels") or c_in
+    n, t = n_image, n_text
+    flops = _linear(n, c_in * patch, D)
+    flops += _linear(1, config["freq_dim"], D) + _linear(1, D, D) + _linear(1, D, 6 * D)
+    flops += _linear(t, config["text_dim"], D) + _linear(t, D, D)
+    per_block = 4 * _linear(n, D, D) + _attention(n, n, D)  # self-attention
+    per_block += 2 * _linear(n, D, D) + 2 * _linear(t, D, D) + _attention(n, t, D)  # cross-attention
+    per_block += _linear(n, D, config["ffn_dim"]) + _linear(n, config["ffn_dim"], D)  # feed-forward
+    per_block += 4 * _lora(n, D, D, lora_rank) + 2 * _lora(n, D, D, lora_rank) + 2 * _lora(t, D, D, lora_rank)
+    flops += config["num_layers"] * per_block
+    flops += _linear(n, D, c_out * patch)
+    return flops
+
+
 def _conv(pixels: float, c_in: int, c_out: int, kernel: int = 3) -> float:
     return 2.0 * pixels * c_in * c_out * kernel * kernel
 
@@ -179,7 +210,10 @@ def unet2d_forward_flops(config: dict, height: int, width: int, n_text: int, lor
     return flops
 
 
-FAMILY_FORMULAS = {"mmdit": mmdit_forward_flops, "flux": flux_forward_flops, "qwen_image": qwen_image_forward_flops, "unet2d": unet2d_forward_flops}
+FAMILY_FORMULAS = {
+    "mmdit": mmdit_forward_flops, "flux": flux_forward_flops, "qwen_image": qwen_image_forward_flops, "wan": wan_forward_flops,
+    "unet2d": unet2d_forward_flops,
+}
 
 
 @dataclass
@@ -254,6 +288,13 @@ def counter_for_adapter(adapter, height: int, width: int, *, lora_rank: int = 0,
         return DiffusionFlopsCounter("unet2d", config, (latent[1], latent[2]), n_text, lora_rank, device_name, peak_flops)
     if cls == "FluxTransformer2DModel":
         return DiffusionFlopsCounter("flux", config, latent[-2] if len(latent) == 2 else latent[1] * latent[2] // 4, n_text, lora_rank, device_name, peak_flops)
-    if cls == "QwenImageTransformer2DModel":
+    if cls == "QwenImageTransformer2DModel":  # latent (C, h, w) → (h/2)·(w/2) packed tokens; the text is stored
+        # padded to max_sequence_length and the adapter runs only the valid tokens (prompt_embeds_mask)
+        if "prompt_embeds_mask" in cond.keys():
+            n_text = int(cond["prompt_embeds_mask"].sum(-1).max())
         return DiffusionFlopsCounter("qwen_image", config, latent[1] * latent[2] // 4, n_text, lora_rank, device_name, peak_flops)
+    if cls == "WanTransformer3DModel":
+        p_t, p_h, p_w = config["patch_size"]
+        tokens = (latent[1] // p_t) * (latent[2] // p_h) * (latent[3] // p_w)
+        return DiffusionFlopsCounter("wan", config, tokens, n_text, lora_rank, device_name, peak_flops)
     raise ValueError(f"no FLOPs formula for denoiser {cls}; known formulas: {sorted(FAMILY_FORMULAS)}")

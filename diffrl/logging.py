@@ -8,6 +8,11 @@ What a run folder receives (always, whatever ``trainer.wandb`` says):
 - ``images/eval_step_<N>.jsonl``: one line per evaluation sample (index, prompt, seed, every eval
   metric, its place on the grid), the local twin of the wandb sample table.
 
+Videos (uint8 ``[N, F, 3, H, W]``, video families such as Wan): the grid, the captioned images and the
+table show each video's middle frame (:func:`middle_frames`); the grid's videos are also written as
+animated GIFs ``images/eval_step_<N>/<index>.gif`` and logged to wandb as ``eval/videos``
+(``wandb.Video`` of the GIF file, which needs no video encoder package).
+
 wandb (:class:`RunLogger`, ``trainer.wandb``):
 
 - ``offline`` (default): ``wandb.init(mode="offline", dir=<run folder>)``; the run lives in
@@ -82,11 +87,30 @@ def image_grid(images: torch.Tensor, *, columns: int | None = None, scale: int =
     return img
 
 
+def middle_frames(images: torch.Tensor) -> torch.Tensor:
+    """Videos ``[N, F, 3, H, W]`` → their middle frames ``[N, 3, H, W]`` (frame ``F // 2``); images pass through."""
+    return images[:, images.shape[1] // 2] if images.ndim == 5 else images
+
+
+def save_gif(frames: torch.Tensor, path: str | Path, *, fps: float = 8.0, scale: int = 1) -> Path:
+    """Write uint8 frames ``[F, 3, H, W]`` as an animated GIF (PIL, looping; ``scale``× nearest upsampling)."""
+    from PIL import Image
+
+    path = Path(path)
+    pictures = [Image.fromarray(f.permute(1, 2, 0).contiguous().cpu().numpy()) for f in frames]
+    if scale > 1:
+        pictures = [p.resize((p.width * scale, p.height * scale), Image.NEAREST) for p in pictures]
+    tmp = path.with_name(path.name + ".tmp.gif")
+    pictures[0].save(tmp, save_all=True, append_images=pictures[1:], duration=max(1, round(1000 / fps)), loop=0)
+    os.replace(tmp, path)
+    return path
+
+
 def save_grid(images: torch.Tensor, path: str | Path, **kwargs) -> Path:
-    """Write :func:`image_grid` to ``path`` (PNG) via a temporary file and rename."""
+    """Write :func:`image_grid` to ``path`` (PNG) via a temporary file and rename (videos: middle frames)."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp.png")
-    image_grid(images, **kwargs).save(tmp)
+    image_grid(middle_frames(images), **kwargs).save(tmp)
     os.replace(tmp, path)
     return path
 
@@ -193,7 +217,8 @@ class RunLogger:
 
         Args:
             step: the RL step the evaluation follows.
-            images: uint8 ``[N, 3, H, W]``, ``samples_per_prompt`` consecutive samples per prompt.
+            images: uint8 ``[N, 3, H, W]`` (or videos ``[N, F, 3, H, W]``), ``samples_per_prompt`` consecutive
+                samples per prompt.
             prompts, seeds: ``N`` prompts and sampling seeds.
             scores: ``{metric name: [N]}`` (see :func:`per_sample_scores`).
 
@@ -216,11 +241,16 @@ class RunLogger:
         tmp = samples_path.with_name(samples_path.name + ".tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
         os.replace(tmp, samples_path)
+        videos = {}
+        if images.ndim == 5:
+            folder = self.images_dir / f"eval_step_{step:06d}"
+            folder.mkdir(exist_ok=True)
+            videos = {i: save_gif(images[i], folder / f"{i:04d}.gif", scale=grid_scale) for i in on_grid}
         if self.run is not None:
-            self._wandb_eval(step, images, rows, on_grid, grid_path, scores, grid_scale)
+            self._wandb_eval(step, middle_frames(images), rows, on_grid, grid_path, scores, grid_scale, videos)
         return grid_path
 
-    def _wandb_eval(self, step, images, rows, on_grid, grid_path, scores, grid_scale) -> None:
+    def _wandb_eval(self, step, images, rows, on_grid, grid_path, scores, grid_scale, videos) -> None:
         import wandb
         from PIL import Image
 
@@ -239,6 +269,8 @@ class RunLogger:
             "eval/images": [wandb.Image(picture(i), caption=_caption(rows[i]["prompt"], values(rows[i]))) for i in on_grid],
             "eval/samples": table,
         }
+        if videos:
+            payload["eval/videos"] = [wandb.Video(str(videos[i]), caption=_caption(rows[i]["prompt"], values(rows[i]))) for i in on_grid]
         # a table is logged as an artifact whose files wandb copies into $WANDB_DATA_DIR/artifacts/staging
         # while logging; unless the user chose that folder, keep them inside the run folder too
         previous = os.environ.get("WANDB_DATA_DIR")

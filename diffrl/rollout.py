@@ -149,13 +149,14 @@ def sample_trajectories(
         x = randn_per_sample(shape, gens if init_seeds is None else make_generators(init_seeds[sl]), device)
         latents, log_probs, means, history = [x], [], [], None
         for k in range(K):
-            sigma = sigmas[k].expand(x.shape[0]).to(device)
+            # sigmas live on the host: filling the device tensor needs no copy, so the loop never waits on the GPU
+            sigma = torch.full((x.shape[0],), sigmas[k].item(), dtype=torch.float32, device=device)
             out_model = adapter.predict(x, sigma, c, settings.guidance_scale)
             out = run_step(
                 kinds[k], out_model, x, sigmas[k].item(), sigmas[k + 1].item(), noise_level=settings.noise_level,
                 prediction_type=prediction_type, generator=gens, history=history, clip_sample=settings.clip_sample,
             )
-            if prediction_type == "flow":  # x̂0 for the multistep solver's next step
+            if prediction_type == "flow" and "dpm2" in kinds[k + 1 :]:  # x̂0 for the multistep solver's next step
                 history = (x.float() - sigmas[k].item() * out_model.float(), sigmas[k].item())
             x = out.prev_sample
             latents.append(x)

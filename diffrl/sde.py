@@ -51,12 +51,17 @@ def randn_per_sample(shape: Sequence[int], generator: Generators, device, dtype=
         return torch.randn(tuple(shape), generator=generator, device=device, dtype=dtype)
     if len(generator) != shape[0]:
         raise ValueError(f"got {len(generator)} generators for a batch of {shape[0]}")
-    rows = [torch.randn(tuple(shape[1:]), generator=g, device=g.device, dtype=dtype) for g in generator]
-    return torch.stack(rows).to(device)
+    rows = torch.stack([torch.randn(tuple(shape[1:]), generator=g, device=g.device, dtype=dtype) for g in generator])
+    if rows.device.type == "cpu" and torch.device(device).type == "cuda":
+        # host generators, device sample: a pinned, asynchronous copy keeps the host from waiting on the GPU
+        return rows.pin_memory().to(device, non_blocking=True)
+    return rows.to(device)
 
 
 def _per_sample(value, like: torch.Tensor) -> torch.Tensor:
     """Scalar or ``[B]`` → fp32 tensor broadcastable against ``like [B, …]``."""
+    if isinstance(value, (int, float)):  # filled on the device: no host-to-device copy (and no sync)
+        return torch.full((like.shape[0], *([1] * (like.ndim - 1))), float(value), dtype=torch.float32, device=like.device)
     t = torch.as_tensor(value, dtype=torch.float32, device=like.device)
     if t.ndim == 0:
         t = t.expand(like.shape[0])
@@ -75,7 +80,15 @@ def _require_noise(noise_level: float, step_name: str) -> None:
         raise ValueError(f"{step_name} needs noise_level > 0 (got {noise_level}); use the 'ode' step for deterministic sampling")
 
 
-def _require_decreasing(dt: torch.Tensor, step_name: str) -> None:
+def _on_host(value) -> bool:
+    return not isinstance(value, torch.Tensor) or value.device.type == "cpu"
+
+
+def _require_decreasing(dt: torch.Tensor, step_name: str, sigma=None, sigma_next=None) -> None:
+    """Raise unless ``dt = sigma_next − sigma < 0`` everywhere. When the sigmas are Python numbers or CPU
+    tensors, the same fp32 difference is checked on the host, so a device sampling loop does not sync."""
+    if sigma is not None and _on_host(sigma) and _on_host(sigma_next):
+        dt = torch.as_tensor(sigma_next, dtype=torch.float32) - torch.as_tensor(sigma, dtype=torch.float32)
     if bool((dt >= 0).any()):
         raise ValueError(f"{step_name} needs sigma_next < sigma for every sample")
 
@@ -122,7 +135,7 @@ def flow_sde_step(
     s = _per_sample(sigma, x)
     s_next = _per_sample(sigma_next, x)
     dt = s_next - s
-    _require_decreasing(dt, "flow_sde_step")
+    _require_decreasing(dt, "flow_sde_step", sigma, sigma_next)
     denom = torch.where(s >= 1.0, 1.0 - s_next, 1.0 - s)
     std_t = noise_level * torch.sqrt(s / denom)
     mean = x * (1 + std_t**2 / (2 * s) * dt) + v * (1 + std_t**2 * (1 - s) / (2 * s)) * dt
@@ -152,7 +165,7 @@ def dance_sde_step(
     x = sample.float()
     s = _per_sample(sigma, x)
     dt = _per_sample(sigma_next, x) - s
-    _require_decreasing(dt, "dance_sde_step")
+    _require_decreasing(dt, "dance_sde_step", sigma, sigma_next)
     x0_hat = x - s * v
     score = -(x - (1 - s) * x0_hat) / s**2
     mean = x + dt * v - 0.5 * noise_level**2 * score * dt
@@ -189,7 +202,7 @@ def cps_step(
     x = sample.float()
     s = _per_sample(sigma, x)
     s_next = _per_sample(sigma_next, x)
-    _require_decreasing(s_next - s, "cps_step")
+    _require_decreasing(s_next - s, "cps_step", sigma, sigma_next)
     x0_hat = x - s * v
     eps_hat = x + (1 - s) * v
     std = s_next * math.sin(noise_level * math.pi / 2)
@@ -255,7 +268,7 @@ def ddim_step(
     x = sample.float()
     s = _per_sample(sigma, x)
     s_next = _per_sample(sigma_next, x)
-    _require_decreasing(s_next - s, "ddim_step")
+    _require_decreasing(s_next - s, "ddim_step", sigma, sigma_next)
     out = model_output.float()
     if prediction_type == "epsilon":
         alpha, alpha_next = torch.sqrt((1 - s**2).clamp_min(0.0)), torch.sqrt((1 - s_next**2).clamp_min(0.0))
@@ -311,7 +324,7 @@ def dpm2_step(
     x = sample.float()
     s = _per_sample(sigma, x)
     s_next = _per_sample(sigma_next, x)
-    _require_decreasing(s_next - s, "dpm2_step")
+    _require_decreasing(s_next - s, "dpm2_step", sigma, sigma_next)
     x0_hat = x - s * model_output.float()
     a, a_next = 1 - s, 1 - s_next
     # first-order (DDIM) coefficient of x̂0: α_next·(1 − e^{−h}) = α_next − σ_next·α/σ

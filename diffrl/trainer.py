@@ -114,9 +114,10 @@ def worker_config(cfg: DictConfig) -> TrainingWorkerConfig:
         model_family=m.family,
         model_kwargs={**OmegaConf.to_container(m.options, resolve=True), "path": m.path, "dtype": m.dtype, "device": m.device},
         engine=EngineSettings(
-            lora_rank=m.lora.rank, lora_alpha=m.lora.alpha, lora_dropout=m.lora.dropout, init_seed=cfg.trainer.seed,
+            lora_rank=m.lora.rank, lora_alpha=m.lora.alpha, lora_dropout=m.lora.dropout,
+            lora_target_modules=list(m.lora.target_modules) if m.lora.target_modules else None, init_seed=cfg.trainer.seed,
             micro_batch_size=a.micro_batch_size, fsdp=m.fsdp, param_offload=m.param_offload,
-            activation_checkpointing=m.activation_checkpointing, old_policy=a.trainer == "nft",
+            activation_checkpointing=m.activation_checkpointing, old_policy=a.trainer == "nft", compile=m.compile,
             optim=OptimConfig(
                 lr=a.lr, weight_decay=a.weight_decay, max_grad_norm=a.max_grad_norm, lr_schedule=a.lr_schedule,
                 warmup_steps=a.warmup_steps, total_steps=optimizer_steps(cfg),

@@ -59,7 +59,8 @@ class ModelAdapter(abc.ABC):
 
     @abc.abstractmethod
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        """Latents ``[B, …]`` → float images ``[B, 3, H, W]`` in [0, 1]."""
+        """Latents ``[B, …]`` → float images ``[B, 3, H, W]`` in [0, 1] (video families: frames
+        ``[B, F, 3, H, W]``; rewards then score frames, see ``rewards.base.call_reward``)."""
 
     def encode_images(self, images: torch.Tensor) -> torch.Tensor:
         """Float images ``[B, 3, H, W]`` in [0, 1] → latents (the VAE encoder's mean); offline

@@ -14,11 +14,15 @@ A reward declares, as class or instance attributes (all optional; defaults in :c
 * ``batch_size`` — the most images per call, or ``None`` (any); :func:`score` chunks the batch;
 * ``input`` — ``"uint8"`` (``images`` is a uint8 tensor ``[B, 3, H, W]``) or ``"pil"`` (a list of
   ``B`` RGB ``PIL.Image.Image``); :func:`score` converts;
-* ``device`` — where its model runs (informational; the reward moves tensors itself).
+* ``device`` — where its model runs (informational; the reward moves tensors itself);
+* ``video`` — ``False`` (default): a video ``[B, F, 3, H, W]`` is scored frame by frame as ``B·F`` images
+  (each frame with its video's prompt; ``batch_size``/``input`` apply to frames) and a video's score is the
+  mean over its frames; ``True``: the reward receives whole videos, uint8 ``[B, F, 3, H, W]`` (``"pil"``: a
+  list of ``B`` lists of ``F`` RGB images), ``batch_size`` counting videos.
 
 :func:`score` runs a weighted set of rewards and checks every output: a wrong shape, NaN or Inf (or a
 value outside the declared ``scale``) raises :class:`RewardError` naming the reward and the sample's
-index in the full batch.
+index in the full batch (for videos: the video's index, and the frame's when scored per frame).
 """
 
 from __future__ import annotations
@@ -49,6 +53,8 @@ class Reward:
         batch_size: most images per call (:func:`score` splits larger batches); ``None``: any number.
         input: ``"uint8"`` — ``images`` is a uint8 tensor ``[B, 3, H, W]``; ``"pil"`` — a list of RGB PIL images.
         device: where the reward model runs.
+        video: ``True``: receives whole videos ``[B, F, 3, H, W]``; ``False``: videos are scored per frame
+            and averaged over their frames (see the module docstring).
     """
 
     name: str = "reward"
@@ -57,6 +63,7 @@ class Reward:
     batch_size: int | None = None
     input: str = "uint8"
     device: str = "cpu"
+    video: bool = False
 
     def __call__(self, images, prompts: list[str], metadata: Any = None) -> dict[str, torch.Tensor]:
         raise TypeError(f"{type(self).__name__} must define __call__(images, prompts, metadata)")
@@ -135,7 +142,8 @@ def build_reward(name: str, **kwargs) -> Callable:
 def reward_spec(fn: Any, name: str | None = None) -> dict[str, Any]:
     """The declared attributes of ``fn`` with defaults filled in; raises :class:`RewardError` when invalid."""
     name = name or getattr(fn, "name", None) or getattr(fn, "__name__", "reward")
-    spec = {key: getattr(fn, key, getattr(Reward, key)) for key in ("unit", "scale", "batch_size", "input", "device")}
+    spec = {key: getattr(fn, key, getattr(Reward, key)) for key in ("unit", "scale", "batch_size", "input", "device", "video")}
+    spec["video"] = bool(spec["video"])
     spec["name"] = getattr(fn, "name", None) or name
     if spec["input"] not in INPUT_KINDS:
         raise RewardError(f"reward {name!r} declares input={spec['input']!r}; use one of {INPUT_KINDS}")
@@ -150,12 +158,22 @@ def reward_spec(fn: Any, name: str | None = None) -> dict[str, Any]:
     return spec
 
 
-def check_output(name: str, value: Any, batch_size: int, *, first_index: int = 0, scale: tuple[float, float] | None = None) -> torch.Tensor:
+def check_output(
+    name: str, value: Any, batch_size: int, *, first_index: int = 0, scale: tuple[float, float] | None = None,
+    frames: int | None = None,
+) -> torch.Tensor:
     """Validate one reward output: a tensor of shape ``[B]``, finite, and inside ``scale`` if given.
 
     ``first_index`` is the index of this chunk's first sample in the full batch, so that errors name the
-    sample the caller knows.
+    sample the caller knows. ``frames``: the samples are the frames of videos of ``frames`` frames each
+    (flattened), and errors name ``video i (frame j)``.
     """
+
+    def sample(i: int) -> str:
+        if frames:
+            return f"video {i // frames} (frame {i % frames})"
+        return f"sample {i}"
+
     if not isinstance(value, torch.Tensor):
         raise RewardError(f"reward {name!r} returned {type(value).__name__}, expected a tensor of shape [{batch_size}]")
     if value.shape != (batch_size,):
@@ -166,7 +184,7 @@ def check_output(name: str, value: Any, batch_size: int, *, first_index: int = 0
     if bool(bad.any()):
         i = int(bad.nonzero()[0, 0])
         raise RewardError(
-            f"reward {name!r} returned {value[i].item()} for sample {first_index + i} ({int(bad.sum())} non-finite of {batch_size}); "
+            f"reward {name!r} returned {value[i].item()} for {sample(first_index + i)} ({int(bad.sum())} non-finite of {batch_size}); "
             "fix the reward so that it returns finite scores"
         )
     if scale is not None:
@@ -176,7 +194,7 @@ def check_output(name: str, value: Any, batch_size: int, *, first_index: int = 0
         if bool(out.any()):
             i = int(out.nonzero()[0, 0])
             raise RewardError(
-                f"reward {name!r} returned {value[i].item()} for sample {first_index + i}, outside its declared scale "
+                f"reward {name!r} returned {value[i].item()} for {sample(first_index + i)}, outside its declared scale "
                 f"[{low}, {high}]; fix the reward or its `scale` attribute"
             )
     return value
@@ -202,12 +220,18 @@ def from_pil(pil_images: list) -> torch.Tensor:
 
 
 def check_images(images: Any, prompts: list[str]) -> None:
-    """Raise ``ValueError`` unless ``images`` is uint8 ``[B, 3, H, W]`` with ``B == len(prompts)``."""
-    if not isinstance(images, torch.Tensor) or images.dtype != torch.uint8 or images.ndim != 4 or images.shape[1] != 3:
+    """Raise ``ValueError`` unless ``images`` is uint8 ``[B, 3, H, W]`` (or videos ``[B, F, 3, H, W]``) with
+    ``B == len(prompts)``."""
+    ok = isinstance(images, torch.Tensor) and images.dtype == torch.uint8 and images.ndim in (4, 5) and images.shape[-3] == 3
+    if not ok:
         got = f"{images.dtype} {tuple(images.shape)}" if isinstance(images, torch.Tensor) else type(images).__name__
-        raise ValueError(f"rewards take uint8 images [B, 3, H, W], got {got}; convert floats in [0, 1] with (x * 255).round().to(torch.uint8)")
+        raise ValueError(
+            f"rewards take uint8 images [B, 3, H, W], got {got} (videos: uint8 [B, F, 3, H, W]); convert floats in [0, 1] "
+            "with (x * 255).round().to(torch.uint8)"
+        )
     if len(prompts) != images.shape[0]:
-        raise ValueError(f"got {len(prompts)} prompts for {images.shape[0]} images")
+        kind = "videos" if images.ndim == 5 else "images"
+        raise ValueError(f"got {len(prompts)} prompts for {images.shape[0]} {kind}")
 
 
 def slice_metadata(metadata: Any, start: int, stop: int, batch_size: int) -> Any:
@@ -224,22 +248,45 @@ def call_reward(name: str, fn: Callable, images: torch.Tensor, prompts: list[str
     ``fn.scale``) and the chunks are concatenated, so the result is ``{key: float Tensor[B]}`` on CPU and
     equal to one call on the whole batch for any per-sample reward.
 
+    Videos ``[B, F, 3, H, W]``: a reward declaring ``video = True`` receives them whole (chunks of
+    ``batch_size`` videos); any other reward scores the ``B·F`` frames as images (prompt and per-sample
+    metadata repeated per frame) and every output is the mean over each video's frames:
+    ``r(video b) = (1/F)·Σ_f r(frame f of b)``.
+
     Args:
         name: the reward's name in the config (used in errors; also the main output's key when present).
         fn: the reward callable.
-        images: uint8 ``[B, 3, H, W]``.
+        images: uint8 ``[B, 3, H, W]`` or videos ``[B, F, 3, H, W]``.
         prompts: ``B`` prompts.
-        metadata: passed through; a list/tuple of length ``B`` is sliced per chunk.
+        metadata: passed through; a list/tuple of length ``B`` is sliced per chunk (repeated per frame).
     """
     check_images(images, prompts)
     spec = reward_spec(fn, name)
+    if images.ndim == 5 and not spec["video"]:
+        b, f = images.shape[:2]
+        frames = images.reshape(b * f, *images.shape[2:])
+        frame_prompts = [p for p in prompts for _ in range(f)]
+        if isinstance(metadata, (list, tuple)) and len(metadata) == b:
+            metadata = [m for m in metadata for _ in range(f)]
+        per_frame = _call_chunks(name, fn, spec, frames, frame_prompts, metadata, frames_per_video=f)
+        return {key: value.view(b, f).mean(dim=1) for key, value in per_frame.items()}
+    return _call_chunks(name, fn, spec, images, prompts, metadata)
+
+
+def _call_chunks(
+    name: str, fn: Callable, spec: dict, images: torch.Tensor, prompts: list[str], metadata: Any, frames_per_video: int | None = None,
+) -> dict[str, torch.Tensor]:
+    """:func:`call_reward`'s loop over chunks of ``spec["batch_size"]`` samples (images, frames or videos)."""
     total = images.shape[0]
     chunk = spec["batch_size"] or max(total, 1)
     parts: dict[str, list[torch.Tensor]] = {}
     for start in range(0, total, chunk):
         stop = min(start + chunk, total)
         batch = images[start:stop]
-        batch_in = to_pil(batch) if spec["input"] == "pil" else batch
+        if spec["input"] == "pil":
+            batch_in = [to_pil(video) for video in batch] if batch.ndim == 5 else to_pil(batch)
+        else:
+            batch_in = batch
         result = fn(batch_in, list(prompts[start:stop]), slice_metadata(metadata, start, stop, total))
         if not isinstance(result, dict) or not result:
             raise RewardError(f"reward {name!r} returned {type(result).__name__}; expected a dict of name -> tensor [B]")
@@ -247,7 +294,9 @@ def call_reward(name: str, fn: Callable, images: torch.Tensor, prompts: list[str
             raise RewardError(f"reward {name!r} returned keys {sorted(result)} for samples {start}..{stop - 1} but {sorted(parts)} before")
         main = _main_key(name, fn, result)
         for key, value in result.items():
-            checked = check_output(key, value, stop - start, first_index=start, scale=spec["scale"] if key == main else None)
+            checked = check_output(
+                key, value, stop - start, first_index=start, scale=spec["scale"] if key == main else None, frames=frames_per_video,
+            )
             parts.setdefault(key, []).append(checked)
     if not parts:  # an empty batch
         return {getattr(fn, "name", None) or name: torch.zeros(0)}
@@ -274,7 +323,7 @@ def score(rewards: dict[str, tuple[Callable, float]], images: torch.Tensor, prom
 
     Args:
         rewards: ``name -> (callable, weight)``.
-        images: uint8 ``[B, 3, H, W]``.
+        images: uint8 ``[B, 3, H, W]`` or videos ``[B, F, 3, H, W]`` (see :func:`call_reward`).
         prompts: ``B`` prompts.
         metadata: passed to every reward (a list/tuple of length ``B`` is sliced with the chunks).
     """

@@ -53,6 +53,19 @@ def test_model_and_reward_options_reach_the_adapter_and_reward(capsys):
     assert "decode_chonk" in capsys.readouterr().err
 
 
+def test_lora_target_modules_from_config():
+    from diffrl.trainer import worker_config
+
+    cfg = compose(["model.lora.target_modules=[to_q,to_v]"])
+    settings = worker_config(cfg).engine
+    assert settings.lora_target_modules == ["to_q", "to_v"]
+    engine = DiffusionEngine(DigitsAdapter(path=None), settings, SamplerSettings(num_steps=2))
+    engine.initialize()
+    wrapped = {n.rsplit(".lora_A", 1)[0].rsplit(".", 1)[-1] for n, _ in engine.module.named_parameters() if ".lora_A." in n}
+    assert wrapped == {"to_q", "to_v"}
+    assert worker_config(compose([])).engine.lora_target_modules is None  # the family's default
+
+
 def test_missing_asset_path_is_named(tmp_path, capsys):
     missing = tmp_path / "no_such_model"
     assert main(["train", f"model.path={missing}", f"trainer.output_dir={tmp_path / 'run'}", *SHORT]) == 2

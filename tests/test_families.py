@@ -22,8 +22,8 @@ from tests.conftest import randomise_lora
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
-FAMILIES = ["digits", "sd15", "digits_eps", "sd3", "flux"]
-SIZE = {"digits": 16, "digits_eps": 16, "sd15": 32, "sd3": 32, "flux": 32}
+FAMILIES = ["digits", "sd15", "digits_eps", "sd3", "flux", "wan", "qwen_image"]
+SIZE = {"digits": 16, "digits_eps": 16, "sd15": 32, "sd3": 32, "flux": 32, "wan": 32, "qwen_image": 32}
 EPSILON = {"sd15", "digits_eps"}
 GUIDANCE = 3.0
 _BASE: dict[str, object] = {}
@@ -124,7 +124,13 @@ def test_guidance_one_runs_no_uncond_branch_and_cfg_is_two_pass(family):
     assert [b for b, _ in rec.calls] == [2, 4]  # guidance 1: conditional only; > 1: one batched [uncond; cond]
     with torch.no_grad():
         uncond = adapter.predict(x, sigma, negative(cond), 1.0)
-    torch.testing.assert_close(out3, uncond + GUIDANCE * (out1 - uncond), rtol=1e-4, atol=1e-5)
+    expected = uncond + GUIDANCE * (out1 - uncond)
+    if family == "qwen_image":  # QwenImagePipeline's true CFG rescales to ‖cond‖ over each packed 2×2 token's channels
+        from pipelines.flux.adapter import pack_latents, unpack_latents
+
+        c, e = pack_latents(out1), pack_latents(expected)
+        expected = unpack_latents(e * c.norm(dim=-1, keepdim=True) / e.norm(dim=-1, keepdim=True), *x.shape[-2:])
+    torch.testing.assert_close(out3, expected, rtol=1e-4, atol=1e-5)
     assert not torch.allclose(out1, uncond, atol=1e-4)  # the prompt matters, so the CFG check can fail
 
 
@@ -326,7 +332,7 @@ def test_missing_folder_or_component_is_named(family, tmp_path):
 # ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("family", ["sd3", "flux", "sd15"])
+@pytest.mark.parametrize("family", ["sd3", "flux", "sd15", "qwen_image"])
 def test_tiny_flow_grpo_recipe_trains_two_steps(family, tmp_path):
     from diffrl.cli import main
 

@@ -160,6 +160,16 @@ class LatentFlowFamily(ModelAdapter):
     def text_encoders_loaded(self) -> bool:
         return bool(self.text_encoders)
 
+    def _with_negative(self, prompts: list[str], negative_prompt: str) -> TensorDict:
+        """The embeddings of ``prompts`` plus, for every key ``k``, ``negative_k``: the embedding of
+        ``negative_prompt`` repeated over the batch (what the CFG branch of ``predict`` reads)."""
+        pos = self._encode(list(prompts))
+        neg = self._encode([negative_prompt])
+        n = len(prompts)
+        out = {key: pos[key] for key in pos.keys()}
+        out.update({f"negative_{key}": neg[key].expand(n, *neg[key].shape[1:]).clone() for key in neg.keys()})
+        return TensorDict(out, batch_size=[n])
+
     @abc.abstractmethod
     def _encode_batch(self, prompts: list[str]) -> TensorDict:
         """Positive embeddings of ``prompts`` (TensorDict ``[len(prompts)]``), from the text encoders."""
@@ -392,17 +402,8 @@ class SD3Adapter(LatentFlowFamily):
         )
 
     def encode_prompts(self, prompts: list[str]) -> TensorDict:
-        pos = self._encode(list(prompts))
-        neg = self._encode([""])
-        n = len(prompts)
-        return TensorDict(
-            {
-                "prompt_embeds": pos["prompt_embeds"], "pooled_prompt_embeds": pos["pooled_prompt_embeds"],
-                "negative_prompt_embeds": neg["prompt_embeds"].expand(n, -1, -1).clone(),
-                "negative_pooled_prompt_embeds": neg["pooled_prompt_embeds"].expand(n, -1).clone(),
-            },
-            batch_size=[n],
-        )
+        """``prompt_embeds``, ``pooled_prompt_embeds`` and their ``negative_*`` (the empty prompt)."""
+        return self._with_negative(prompts, "")
 
     def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
         h, w = self._check_size(height, width, self.vae_factor * self.patch_size)
