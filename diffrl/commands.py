@@ -344,7 +344,8 @@ def run_sample(args) -> int:
             save_gif(images[i], out / f"images/{i:04d}.gif")
         samples.append({"index": i, "prompt": prompt, "seed": seed, "image": name, "rewards": {k: v[i] for k, v in per_image.items()}})
     save_grid(images, out / "grid.png", columns=len(args.seeds), scale=4)
-    sampler = {"kind": cfg.sampler.kind if args.stochastic else "ode/ddim (deterministic)",
+    stochastic_eval = bool(cfg.sampler.get("eval_stochastic", False))
+    sampler = {"kind": cfg.sampler.kind if args.stochastic or stochastic_eval else "ode/ddim (deterministic)",
                "num_steps": cfg.sampler.num_steps if args.stochastic else cfg.sampler.eval_num_steps,
                "guidance_scale": cfg.sampler.guidance_scale, "height": cfg.sampler.height, "width": cfg.sampler.width}
     record = {**_describe(source), "sampler": sampler, "mean": {k[5:]: v for k, v in means.items()},

@@ -91,6 +91,9 @@ class SamplerConfig:
     """trajectories per rollout forward (null: all of a step)"""
     eval_num_steps: int = 10
     """steps of the deterministic (ODE) evaluation sampler"""
+    eval_stochastic: bool = False
+    """evaluate with the rollout's stochastic step (kind, noise_level) at every step on the fixed eval seeds,
+    instead of the ODE / DDIM(η = 0): the policy stochastic-step RL trains (DDPO's reporting)"""
 
 
 @dataclass

@@ -22,7 +22,14 @@ def eval_prompts_and_seeds(prompts: list[str], seeds_per_prompt: int, seed: int)
 
 def deterministic_settings(settings: SamplerSettings, prediction_type: str, num_steps: int) -> SamplerSettings:
     """``settings`` turned into the evaluation sampler: the Euler ODE for flow models, DDIM with η = 0 for
-    epsilon models, ``num_steps`` steps (image size, shift, guidance and clipping kept)."""
+    epsilon models, ``num_steps`` steps (image size, shift, guidance and clipping kept).
+
+    With ``settings.eval_stochastic`` the evaluation keeps the rollout's stochastic step (``step_kind``,
+    ``noise_level``) at every one of the ``num_steps`` steps: the policy that stochastic-step RL trains
+    (DDPO reports the reward of its own η = 1 samples). The per-sample seeds still fix every draw, so
+    repeated evaluations of the same weights give the same images."""
+    if settings.eval_stochastic:
+        return dataclasses.replace(settings, num_steps=num_steps)
     kind = "ode" if prediction_type == "flow" else "ddim"
     return dataclasses.replace(settings, num_steps=num_steps, step_kind=kind, noise_level=0.0)
 

@@ -51,6 +51,8 @@ class SamplerSettings:
         guidance_scale: CFG scale; 1 runs no unconditional branch.
         shift: sigma-schedule shift; ``None`` takes the family's.
         height, width: image size in pixels.
+        eval_stochastic: evaluations sample with ``step_kind``/``noise_level`` at every step (on their fixed
+            seeds) instead of the deterministic ODE / DDIM(η = 0); see ``diffrl.evaluation.deterministic_settings``.
     """
 
     num_steps: int
@@ -62,6 +64,7 @@ class SamplerSettings:
     shift: float | None = None
     height: int = 16
     width: int = 16
+    eval_stochastic: bool = False
 
 
 def uint8_images(images: torch.Tensor) -> torch.Tensor:

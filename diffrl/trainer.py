@@ -125,7 +125,7 @@ def worker_config(cfg: DictConfig) -> TrainingWorkerConfig:
         ),
         sampler=SamplerSettings(
             num_steps=s.num_steps, step_kind=s.kind, noise_level=s.noise_level, ode_solver=s.ode_solver, clip_sample=s.clip_sample,
-            guidance_scale=s.guidance_scale, shift=s.shift, height=s.height, width=s.width,
+            guidance_scale=s.guidance_scale, shift=s.shift, height=s.height, width=s.width, eval_stochastic=bool(s.get("eval_stochastic", False)),
         ),
     )
 
