@@ -238,30 +238,18 @@ def build_metrics(cfg, names: list[str] | None = None) -> dict:
 
 
 def score_per_image(images, prompts: list[str], metrics: dict) -> tuple[dict[str, list[float]], dict[str, float]]:
-    """Each metric called once: ``({name: per-image values}, {"eval/<name>": mean})``; the means come from
-    ``diffrl.evaluation.score_images`` (the trainer's reduction) over the same outputs."""
-    from diffrl.evaluation import score_images
-    from rewards.base import call_reward, check_output
+    """Each metric called once, as the trainer's evaluation calls it (``rewards.base.call_reward``: chunks,
+    input kind, video frames, checks): ``({output key: per-image values}, {"eval/<name>": mean})``, the means
+    reduced like ``diffrl.evaluation.score_images`` (:func:`diffrl.logging.main_score`)."""
+    from diffrl.logging import main_score
+    from rewards.base import call_reward
 
-    if images.ndim == 5:  # videos [B, F, 3, H, W]: per frame (or whole, video = True) as rewards/base.py's call_reward says
-        outputs = {name: call_reward(name, fn, images, prompts, None) for name, fn in metrics.items()}
-    else:
-        outputs = {name: fn(images, prompts, None) for name, fn in metrics.items()}
-    per_image = {}
-    for name, out in outputs.items():
-        if not isinstance(out, dict) or not out:
-            raise ValueError(f"reward {name!r} returned {type(out).__name__}; expected a dict of name -> tensor [B]")
-        for key, value in out.items():
-            per_image[key] = check_output(key, value, images.shape[0]).tolist()
-    means = score_images(images, prompts, {name: _precomputed(out) for name, out in outputs.items()})
+    per_image, means = {}, {}
+    for name, fn in metrics.items():
+        out = call_reward(name, fn, images, prompts, None)
+        per_image.update({key: value.tolist() for key, value in out.items()})
+        means[f"eval/{name}"] = float(main_score(name, out).mean())
     return per_image, means
-
-
-def _precomputed(out: dict):
-    """A reward that returns ``out`` (already one value per sample; ``video = True``: never split into frames)."""
-    fn = lambda images, prompts, metadata: out  # noqa: E731
-    fn.video = True
-    return fn
 
 
 def group_by_prompt(prompts: list[str], per_image: dict[str, list[float]]) -> dict[str, dict[str, float]]:

@@ -123,11 +123,13 @@ def per_sample_scores(images: torch.Tensor, prompts: list[str], metrics: dict[st
     """
     from rewards.base import call_reward
 
-    out = {}
-    for name, fn in metrics.items():
-        result = call_reward(name, fn, images, prompts, None)
-        out[name] = result.get(name, next(iter(result.values()))).detach().float().cpu()
-    return out
+    return {name: main_score(name, call_reward(name, fn, images, prompts, None)) for name, fn in metrics.items()}
+
+
+def main_score(name: str, result: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The value of eval metric ``name`` in its reward's output: ``result[name]``, else the first output
+    (float, CPU)."""
+    return result.get(name, next(iter(result.values()))).detach().float().cpu()
 
 
 def grid_rows(num_samples: int, samples_per_prompt: int, max_images: int) -> list[int]:

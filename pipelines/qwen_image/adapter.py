@@ -46,7 +46,7 @@ from tensordict import TensorDict
 
 from pipelines.base import register_family
 from pipelines.flux.adapter import pack_latents, unpack_latents
-from pipelines.sd3.adapter import LatentFlowFamily, _check_folder, _dtype, _read_scheduler, own_memory
+from pipelines.sd3.adapter import LatentFlowFamily, _check_folder, _dtype, _load_common, own_memory
 
 PROMPT_TEMPLATE = (
     "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, spatial "
@@ -148,18 +148,14 @@ def build_tiny_qwen_image_components(seed: int = 0) -> dict:
 
 
 def load_qwen_image_components(path: str | Path) -> dict:
-    from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
     from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 
     folder = Path(path)
     _check_folder(folder, "Qwen-Image", QWEN_IMAGE_COMPONENTS)
-    return {
-        "transformer": own_memory(QwenImageTransformer2DModel.from_pretrained(str(folder / "transformer"), local_files_only=True)),
-        "vae": own_memory(AutoencoderKLQwenImage.from_pretrained(str(folder / "vae"), local_files_only=True)),
-        "text_encoder": own_memory(Qwen2_5_VLForConditionalGeneration.from_pretrained(str(folder / "text_encoder"), local_files_only=True)),
-        "tokenizer": AutoTokenizer.from_pretrained(str(folder / "tokenizer"), local_files_only=True),
-        "scheduler": _read_scheduler(folder, "Qwen-Image"),
-    }
+    parts = _load_common(folder, "Qwen-Image", "QwenImageTransformer2DModel", "AutoencoderKLQwenImage")
+    parts["text_encoder"] = own_memory(Qwen2_5_VLForConditionalGeneration.from_pretrained(str(folder / "text_encoder"), local_files_only=True))
+    parts["tokenizer"] = AutoTokenizer.from_pretrained(str(folder / "tokenizer"), local_files_only=True)
+    return parts
 
 
 def calculate_shift(image_seq_len: int, config: dict) -> float:

@@ -289,13 +289,13 @@ def own_memory(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
-def _load_common(folder: Path, family: str, transformer_cls: str) -> dict:
+def _load_common(folder: Path, family: str, transformer_cls: str, vae_cls: str = "AutoencoderKL") -> dict:
+    """The transformer, VAE (diffusers class names) and scheduler config of a checked diffusers folder."""
     import diffusers
-    from diffusers import AutoencoderKL
 
     parts = {
         "transformer": own_memory(getattr(diffusers, transformer_cls).from_pretrained(str(folder / "transformer"), local_files_only=True)),
-        "vae": own_memory(AutoencoderKL.from_pretrained(str(folder / "vae"), local_files_only=True)),
+        "vae": own_memory(getattr(diffusers, vae_cls).from_pretrained(str(folder / "vae"), local_files_only=True)),
         "scheduler": _read_scheduler(folder, family),
     }
     return parts

@@ -40,7 +40,7 @@ from tensordict import TensorDict
 
 from pipelines.base import register_family
 from pipelines.sd3.adapter import (
-    LatentFlowFamily, _check_folder, _dtype, _load_tokenizer, _read_scheduler, build_tiny_t5_tokenizer, own_memory,
+    LatentFlowFamily, _check_folder, _dtype, _load_common, _load_tokenizer, build_tiny_t5_tokenizer, own_memory,
 )
 
 # Wan2.1-T2V's scheduler config (480p flow_shift); only flow_shift and num_train_timesteps are read
@@ -109,18 +109,14 @@ def build_tiny_wan_components(seed: int = 0) -> dict:
 
 def load_wan_components(path: str | Path) -> dict:
     """Components of a local Wan2.1 diffusers folder (``local_files_only``: nothing is downloaded)."""
-    from diffusers import AutoencoderKLWan, WanTransformer3DModel
     from transformers import UMT5EncoderModel
 
     folder = Path(path)
     _check_folder(folder, "Wan", WAN_COMPONENTS)
-    return {
-        "transformer": own_memory(WanTransformer3DModel.from_pretrained(str(folder / "transformer"), local_files_only=True)),
-        "vae": own_memory(AutoencoderKLWan.from_pretrained(str(folder / "vae"), local_files_only=True)),
-        "text_encoder": own_memory(UMT5EncoderModel.from_pretrained(str(folder / "text_encoder"), local_files_only=True)),
-        "tokenizer": _load_tokenizer(folder, "tokenizer", clip=False),
-        "scheduler": _read_scheduler(folder, "Wan"),
-    }
+    parts = _load_common(folder, "Wan", "WanTransformer3DModel", "AutoencoderKLWan")
+    parts["text_encoder"] = own_memory(UMT5EncoderModel.from_pretrained(str(folder / "text_encoder"), local_files_only=True))
+    parts["tokenizer"] = _load_tokenizer(folder, "tokenizer", clip=False)
+    return parts
 
 
 @register_family("wan")
