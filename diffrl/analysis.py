@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import json
 import re
-import struct
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
+from typing import Iterable, Sequence
 
 import pandas as pd
+
+from diffrl import wandb_file
 
 _EVAL_FILE = re.compile(r"eval_step_(\d+)\.(png|jsonl)$")
 _STEP_DIR = re.compile(r"step_(\d+)$")
@@ -346,43 +346,6 @@ class WandbOfflineRun:
         return pd.DataFrame([[cell(v) for v in r] for r in data["data"]], columns=data["columns"])
 
 
-_BLOCK = 32768
-_FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
-
-
-def _wandb_payloads(path: Path) -> Iterator[bytes]:
-    data = path.read_bytes()
-    if len(data) < 7 or struct.unpack("<4sHB", data[:7]) != (b":W&B", 0xBEE1, 0):
-        raise ValueError(f"{path} is not a wandb run file (bad header)")
-    pos, pending = 7, b""
-    while pos + 7 <= len(data):
-        left = _BLOCK - pos % _BLOCK
-        if left < 7:  # the rest of a block too small for a header is padding
-            pos += left
-            continue
-        crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
-        if kind == 0 and length == 0:  # zero-filled tail of a block
-            pos += left
-            continue
-        chunk = data[pos + 7 : pos + 7 + length]
-        if len(chunk) < length:  # a record cut by a still-running writer
-            return
-        if zlib.crc32(chunk, zlib.crc32(bytes([kind]))) & 0xFFFFFFFF != crc:
-            raise ValueError(f"{path}: corrupt record at byte {pos} (CRC mismatch)")
-        pos += 7 + length
-        if kind == _FULL:
-            yield chunk
-        elif kind == _FIRST:
-            pending = chunk
-        elif kind == _MIDDLE:
-            pending += chunk
-        elif kind == _LAST:
-            yield pending + chunk
-            pending = b""
-        else:
-            raise ValueError(f"{path}: unknown record type {kind} at byte {pos}")
-
-
 def _item_value(item):
     which = item.WhichOneof("value")
     if which is None or which == "none":
@@ -418,7 +381,7 @@ def read_wandb_offline(path: str | Path) -> WandbOfflineRun:
     if not files or not files[0].is_file():
         raise FileNotFoundError(f"no run-<id>.wandb file at {path}")
     history, config, run_id, artifacts = [], {}, "", {}
-    for payload in _wandb_payloads(files[0]):
+    for payload in wandb_file.payloads(files[0]):
         record = pb.Record()
         record.ParseFromString(payload)
         which = record.WhichOneof("record_type")

@@ -38,12 +38,16 @@ from __future__ import annotations
 import json
 import math
 import os
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
+from diffrl import wandb_file
+
 WANDB_MODES = ("offline", "online", "disabled")
+WANDB_FLUSH_TIMEOUT_S = 60.0  # how long close() waits for an offline run file to be complete
 
 
 class WandbInitError(RuntimeError):
@@ -287,8 +291,14 @@ class RunLogger:
     def close(self) -> None:
         self._jsonl.close()
         if self.run is not None:
+            run_file = Path(self.run.settings.sync_file) if self.wandb_mode == "offline" else None
             self.run.finish()
             self.run = None
+            # finish() may return before wandb's service flushed the last history row and the exit
+            # record; wait for them so that the run folder is complete when the trainer returns
+            if run_file is not None and not wandb_file.wait_until_complete(run_file, timeout_s=WANDB_FLUSH_TIMEOUT_S):
+                warnings.warn(f"wandb has not finished writing {run_file} after {WANDB_FLUSH_TIMEOUT_S:.0f} s; "
+                              "its last records may be missing (metrics.jsonl is complete)", stacklevel=2)
 
     def __enter__(self) -> "RunLogger":
         return self

@@ -85,6 +85,29 @@ def test_offline_wandb_holds_the_metrics_images_and_sample_table(logged):
         assert (_pixels(row.image)[::4, ::4] == images[i].permute(1, 2, 0).numpy()).all()  # the sample itself, ×4 nearest
 
 
+def test_waiting_for_a_run_file_sees_the_exit_record_written_late(logged, tmp_path):
+    """close() waits for wandb's last records: a file cut before them is incomplete until the rest arrives."""
+    import threading
+
+    from diffrl import wandb_file
+
+    full = next((logged[0] / "offline" / "wandb").glob("offline-run-*/run-*.wandb"))
+    data = full.read_bytes()
+    kinds = wandb_file.record_types(full)
+    assert kinds[0] == "header" and kinds[-1] == "exit" and "history" in kinds  # what close() waited for
+    cut = tmp_path / "run-x.wandb"
+    cut.write_bytes(data[: len(data) - 40])  # the exit record (and maybe the last history row) not yet flushed
+    assert "exit" not in wandb_file.record_types(cut)
+    assert wandb_file.wait_until_complete(cut, timeout_s=0.2) is False
+    writer = threading.Timer(0.3, lambda: cut.write_bytes(data))
+    writer.start()
+    try:
+        assert wandb_file.wait_until_complete(cut, timeout_s=30) is True
+    finally:
+        writer.join()
+    assert wandb_file.record_types(cut) == kinds
+
+
 def test_disabled_writes_nothing_for_wandb_and_the_same_local_files(logged):
     root, _ = logged
     off, dis = root / "offline", root / "disabled"
