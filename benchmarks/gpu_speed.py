@@ -89,11 +89,10 @@ def build_adapter(config: dict, device: str, seed: int, prompts: list[str], n_te
     """An ``SD3Adapter`` over a random SD3.5-M-shaped transformer, a tiny factor-8 VAE and a filled
     prompt-embedding cache (no text encoders).
 
-    ``split_cfg`` (an experiment, for the variant ``diffrl_compiled_split_cfg``): ``predict`` runs the
+    ``split_cfg`` (the variant ``diffrl_compiled_split_cfg``): ``SD3Adapter(cfg_mode="split")``, which runs the
     unconditional branch as its own forward under ``no_grad`` and the conditional one after it, in rollout
-    and training alike (equal batch composition, so log-prob parity holds as before). The training backward
-    then covers B rows instead of the 2B of the batched CFG forward, whose unconditional half only gets zero
-    gradients: a third less training compute. ``SD3Adapter.predict`` would take it over if it pays."""
+    and training alike. The training backward then covers B rows instead of the 2B of the batched CFG
+    forward, whose unconditional half only gets zero gradients."""
     from diffusers import AutoencoderKL
 
     from pipelines.sd3.adapter import SD3_SCHEDULER_CONFIG, SD3Adapter
@@ -113,20 +112,11 @@ def build_adapter(config: dict, device: str, seed: int, prompts: list[str], n_te
             self.shift = float(self.scheduler_config["shift"])
             self.max_sequence_length, self.clip_max_length = n_text, 77
             self.patch_size = int(self.denoiser.config.patch_size)
+            self.cfg_mode = "split" if split_cfg else "batched"
             self._cache = random_prompt_cache(prompts, n_text, config["joint_attention_dim"], config["pooled_projection_dim"], seed + 2)
 
         def default_prompts(self):
             return list(prompts)
-
-        def predict(self, latents, sigma, cond, guidance_scale):
-            if not split_cfg or guidance_scale == 1.0:
-                return super().predict(latents, sigma, cond, guidance_scale)
-            x = latents.to(next(self.denoiser.parameters()).dtype)
-            sigma = torch.as_tensor(sigma, dtype=torch.float32, device=latents.device).expand(latents.shape[0])
-            with torch.no_grad():
-                uncond = self._forward(x, sigma, cond["negative_prompt_embeds"], cond["negative_pooled_prompt_embeds"])
-            positive = self._forward(x, sigma, cond["prompt_embeds"], cond["pooled_prompt_embeds"])
-            return uncond + guidance_scale * (positive - uncond)
 
     return RandomSD3Adapter()
 
@@ -238,15 +228,18 @@ def diffrl_rollout(adapter, settings, prompts, seed):
 def logp_check(engine, td, loss_fn):
     """Train once on the rollout ``td`` with a spy loss: max |log p(training path) − log p(rollout)| over
     every trained step (the first ratio of an on-policy update)."""
-    worst = {"max_abs_dlogp": 0.0}
+    worst = {"max_abs_dlogp": 0.0, "per_step": {}}
 
     def spy(step, batch, k):
-        d = (step["log_prob"].detach().float() - batch["log_probs"][:, k].to(step["log_prob"].device)).abs().max().item()
-        worst["max_abs_dlogp"] = max(worst["max_abs_dlogp"], d)
+        d = (step["log_prob"].detach().float() - batch["log_probs"][:, k].to(step["log_prob"].device)).abs()
+        worst["max_abs_dlogp"] = max(worst["max_abs_dlogp"], d.max().item())
+        seen = worst["per_step"].setdefault(int(k), {"max": 0.0, "sum": 0.0, "n": 0})
+        seen["max"], seen["sum"], seen["n"] = max(seen["max"], d.max().item()), seen["sum"] + d.sum().item(), seen["n"] + d.numel()
         return loss_fn(step, batch, k)
 
     engine.train_batch(td, spy)
-    return worst["max_abs_dlogp"]
+    per_step = {k: {"max": v["max"], "mean": v["sum"] / max(v["n"], 1)} for k, v in sorted(worst["per_step"].items())}
+    return worst["max_abs_dlogp"], per_step
 
 
 def randomise_lora(module, scale: float, seed: int = 0) -> None:
@@ -298,12 +291,23 @@ def measure_diffrl(args, label, compile_on, results, device, split_cfg=False):
     td = add_advantages(diffrl_rollout(adapter, settings, prompts, args.seed))
     r["first_rollout_s"] = time.perf_counter() - t0
     t1 = time.perf_counter()
-    r["max_abs_dlogp"] = logp_check(engine, td, loss_fn)  # the first update: rollout vs training log-probs
+    r["max_abs_dlogp"], r["dlogp_per_step"] = logp_check(engine, td, loss_fn)  # the first update: rollout vs training log-probs
     sync(device)
     r["first_train_s"] = time.perf_counter() - t1
     r["logp_tolerance"] = args.logp_tol
     r["logp_ok"] = r["max_abs_dlogp"] <= args.logp_tol
-    print(f"[{label}] warm-up: rollout {r['first_rollout_s']:.1f} s, train {r['first_train_s']:.1f} s, max|Δlogp| {r['max_abs_dlogp']:.2e}", flush=True)
+    print(f"[{label}] warm-up: rollout {r['first_rollout_s']:.1f} s, train {r['first_train_s']:.1f} s, max|Δlogp| {r['max_abs_dlogp']:.2e}; "
+          "per step max/mean: " + ", ".join(f"{k}: {v['max']:.1e}/{v['mean']:.1e}" for k, v in r["dlogp_per_step"].items()), flush=True)
+    if args.done_file:
+        Path(args.done_file).write_text("warm-up done")
+    if args.logp_only:
+        del engine, adapter, td
+        return
+    if args.wait_file:  # another process shares the GPU until it has written this file: time nothing before
+        deadline = time.monotonic() + 400
+        while not Path(args.wait_file).exists() and time.monotonic() < deadline:
+            time.sleep(1.0)
+        r["waited_for"] = args.wait_file if Path(args.wait_file).exists() else f"{args.wait_file} (timed out)"
 
     reset_peak(device)
     times = timed(lambda: diffrl_rollout(adapter, settings, prompts, args.seed + 1), device, args.repeats)
@@ -334,7 +338,10 @@ def measure_diffrl(args, label, compile_on, results, device, split_cfg=False):
             batch = add_advantages(diffrl_rollout(adapter, settings, rl_prompts, args.seed + 100 + i[0]))
             engine.train_batch(batch, loss_fn)
 
+        graphs = lambda: int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+        before = graphs()
         times = timed(iteration, device, args.e2e_iters)
+        r["e2e_times_s"], r["e2e_new_graphs"] = times, graphs() - before  # > 0: the loop recompiled
         r["e2e_iteration_s"] = median(times)
         r["e2e_trajectories_per_s"] = len(rl_prompts) / r["e2e_iteration_s"]
         n = len(rl_prompts)
@@ -355,6 +362,22 @@ def profile_summary(adapter, engine, td, loss_fn, device, top=12):
     (forward + backward), top kernels first."""
     from torch.profiler import ProfilerActivity, profile
 
+    summary = {}
+    if torch.device(device).type == "cuda":  # one whole rollout: device-busy time against wall time
+        settings = engine.sampler
+        prompts = make_prompts(int(td.batch_size[0]))
+        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+            sync(device)
+            t0 = time.perf_counter()
+            diffrl_rollout(adapter, settings, prompts, 7)
+            sync(device)
+            wall = time.perf_counter() - t0
+        rows = sorted((e for e in prof.key_averages() if e.self_device_time_total > 0), key=lambda e: -e.self_device_time_total)
+        busy = sum(e.self_device_time_total for e in rows) / 1e3
+        summary["rollout_full"] = {"wall_ms": wall * 1e3, "device_ms": busy,
+                                   "top": [{"name": e.key[:90], "ms": e.self_device_time_total / 1e3, "calls": e.count} for e in rows[:top]]}
+        print(f"  profile rollout_full: wall {wall * 1e3:.0f} ms (under the profiler), device busy {busy:.0f} ms; top: "
+              + "; ".join(f"{t['name'][:40]} {t['ms']:.1f}" for t in summary["rollout_full"]["top"][:6]), flush=True)
     on_gpu = torch.device(device).type == "cuda"
     activity = ProfilerActivity.CUDA if on_gpu else ProfilerActivity.CPU
     self_ms = (lambda e: e.self_device_time_total / 1e3) if on_gpu else (lambda e: e.self_cpu_time_total / 1e3)
@@ -362,7 +385,6 @@ def profile_summary(adapter, engine, td, loss_fn, device, top=12):
     x = td["latents"][:, 0].to(device)
     sigma = td["sigmas"][:, 0].to(device)
     cond = td["cond"].to(device)
-    summary = {}
     for name, fn, training in (
         ("rollout_forward", lambda: torch.no_grad()(adapter.predict)(x, sigma, cond, 4.5), False),
         ("train_fwd_bwd", lambda: adapter.predict(x, sigma, cond, 4.5).float().square().mean().backward(), True),
@@ -539,6 +561,10 @@ def main(argv=None):
     p.add_argument("--count-only", action="store_true", help="print the FLOP counts (meta tensors, any machine) and exit")
     p.add_argument("--split-cfg", action="store_true", help="also measure compiled diffrl with the CFG branches as two forwards")
     p.add_argument("--commit", default=None, help="commit to record (the GPU machine's copy has no .git)")
+    p.add_argument("--emulate-casts", action="store_true", help="torch._inductor.config.emulate_precision_casts (eager's bf16 rounding in fused kernels)")
+    p.add_argument("--logp-only", action="store_true", help="stop each diffrl section after the warm-up and the log-prob check")
+    p.add_argument("--done-file", default=None, help="write this file once a section's warm-up is done")
+    p.add_argument("--wait-file", default=None, help="time nothing until this file exists (another process shares the GPU)")
     args = p.parse_args(argv)
     args.config = dict(TINY if args.tiny else SD35_MEDIUM)
     if args.tiny:
@@ -559,12 +585,16 @@ def main(argv=None):
     device = args.device
     if torch.device(device).type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
+    if args.emulate_casts:
+        import torch._inductor.config as inductor_config
+
+        inductor_config.emulate_precision_casts = True
 
     results = {
         "date": time.strftime("%Y-%m-%d"), "commit": args.commit or git_commit(), "torch": torch.__version__, "python": platform.python_version(),
         "device": torch.cuda.get_device_name() if torch.device(device).type == "cuda" else "cpu",
         "config": {k: list(v) if isinstance(v, tuple) else v for k, v in args.config.items()},
-        "settings": {k: getattr(args, k) for k in ("batch", "steps", "cfg", "rank", "size", "n_text", "repeats", "e2e_iters", "peak_tflops", "sdpa", "compile_backend")},
+        "settings": {k: getattr(args, k) for k in ("batch", "steps", "cfg", "rank", "size", "n_text", "repeats", "e2e_iters", "peak_tflops", "sdpa", "compile_backend", "emulate_casts")},
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -587,7 +617,7 @@ def main(argv=None):
             if "compiled" not in skip:
                 measure_diffrl(args, "diffrl_compiled", True, results, device)
                 save()
-            if args.split_cfg:
+            if args.split_cfg and "split" not in skip:
                 measure_diffrl(args, "diffrl_compiled_split_cfg", True, results, device, split_cfg=True)
                 save()
             if "eager" not in skip:
