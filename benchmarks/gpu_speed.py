@@ -304,6 +304,8 @@ def measure_diffrl(args, label, compile_on, results, device, split_cfg=False):
         del engine, adapter, td
         return
     if args.wait_file:  # another process shares the GPU until it has written this file: time nothing before
+        if torch.device(device).type == "cuda":
+            torch.cuda.empty_cache()  # leave the other process the memory this one does not hold
         deadline = time.monotonic() + 400
         while not Path(args.wait_file).exists() and time.monotonic() < deadline:
             time.sleep(1.0)
