@@ -85,14 +85,15 @@ def random_prompt_cache(prompts: list[str], n_text: int, width: int, pooled: int
     return cache
 
 
-def build_adapter(config: dict, device: str, seed: int, prompts: list[str], n_text: int, split_cfg: bool = False):
+def build_adapter(config: dict, device: str, seed: int, prompts: list[str], n_text: int, cfg_mode: str | None = None):
     """An ``SD3Adapter`` over a random SD3.5-M-shaped transformer, a tiny factor-8 VAE and a filled
     prompt-embedding cache (no text encoders).
 
-    ``split_cfg`` (the variant ``diffrl_compiled_split_cfg``): ``SD3Adapter(cfg_mode="split")``, which runs the
-    unconditional branch as its own forward under ``no_grad`` and the conditional one after it, in rollout
-    and training alike. The training backward then covers B rows instead of the 2B of the batched CFG
-    forward, whose unconditional half only gets zero gradients."""
+    ``cfg_mode``: ``SD3Adapter``'s (None: its default, ``split``: the unconditional branch as its own
+    forward under ``no_grad``; ``batched``: one forward over both branches, whose backward also runs through
+    the unconditional half)."""
+    import inspect
+
     from diffusers import AutoencoderKL
 
     from pipelines.sd3.adapter import SD3_SCHEDULER_CONFIG, SD3Adapter
@@ -112,7 +113,7 @@ def build_adapter(config: dict, device: str, seed: int, prompts: list[str], n_te
             self.shift = float(self.scheduler_config["shift"])
             self.max_sequence_length, self.clip_max_length = n_text, 77
             self.patch_size = int(self.denoiser.config.patch_size)
-            self.cfg_mode = "split" if split_cfg else "batched"
+            self.cfg_mode = cfg_mode or inspect.signature(SD3Adapter.__init__).parameters["cfg_mode"].default
             self._cache = random_prompt_cache(prompts, n_text, config["joint_attention_dim"], config["pooled_projection_dim"], seed + 2)
 
         def default_prompts(self):
@@ -260,7 +261,7 @@ def add_advantages(td):
     return td
 
 
-def measure_diffrl(args, label, compile_on, results, device, split_cfg=False):
+def measure_diffrl(args, label, compile_on, results, device, cfg_mode=None):
     """Rollout images/s, training-step MFU (and, compiled, end-to-end Flow-GRPO) of diffrl's own paths."""
     from diffrl.engine import DiffusionEngine, EngineSettings, OptimConfig
     from diffrl.flops import counter_for_adapter
@@ -271,7 +272,7 @@ def measure_diffrl(args, label, compile_on, results, device, split_cfg=False):
     prompts = make_prompts(B)
     group = 4
     rl_prompts = [p for p in prompts[: B // group] for _ in range(group)]
-    adapter = build_adapter(args.config, device, args.seed, prompts, args.n_text, split_cfg)
+    adapter = build_adapter(args.config, device, args.seed, prompts, args.n_text, cfg_mode)
     settings = SamplerSettings(num_steps=args.steps, step_kind="flow_sde", noise_level=0.7, guidance_scale=args.cfg,
                                height=args.size, width=args.size)
     engine = DiffusionEngine(
@@ -285,7 +286,7 @@ def measure_diffrl(args, label, compile_on, results, device, split_cfg=False):
     randomise_lora(engine.module, scale=1e-3)
     counter = counter_for_adapter(adapter, args.size, args.size, lora_rank=args.rank, peak_flops=args.peak_tflops * 1e12)
     loss_fn = make_step_loss("flow_grpo", clip_range=1e-4)
-    r = results[label] = {"compile": compile_on, "n_image_tokens": counter.n_image, "n_text_tokens": counter.n_text}
+    r = results[label] = {"compile": compile_on, "cfg_mode": adapter.cfg_mode, "n_image_tokens": counter.n_image, "n_text_tokens": counter.n_text}
 
     # warm-up (compiles the no-grad and the training graphs when compile is on)
     td = add_advantages(diffrl_rollout(adapter, settings, prompts, args.seed))
@@ -326,7 +327,7 @@ def measure_diffrl(args, label, compile_on, results, device, split_cfg=False):
     r["train_mfu"] = counter.mfu(counter.train_flops(B, trained, args.cfg), r["train_s"])
     # what the hardware executes (flop_counter on a meta copy): frozen weights get no weight gradients, and the
     # batched CFG forward back-propagates through its unconditional half too (zero gradients)
-    r["train_executed_units"] = executed_train_units(args, split_cfg)
+    r["train_executed_units"] = executed_train_units(args, adapter.cfg_mode == "split")
     r["train_mfu_executed"] = counter.mfu(r["train_executed_units"] * counter.forward_flops(B) * trained, r["train_s"])
     r["train_peak_gb"] = peak_gb(device)
     print(f"[{label}] train step ({trained} SDE steps × {B}) {r['train_s']:.2f} s, MFU {r['train_mfu']:.3f} "
@@ -527,7 +528,7 @@ def git_commit() -> str:
 
 def table(results: dict) -> str:
     rows = [("variant", "rollout img/s", "rollout MFU", "train MFU (counted / executed)", "e2e traj/s", "max|Δlogp|", "peak GB")]
-    for label in ("reference", "diffrl_eager", "diffrl_compiled", "diffrl_compiled_split_cfg"):
+    for label in ("reference", "diffrl_eager", "diffrl_compiled", "diffrl_compiled_batched_cfg"):
         r = results.get(label)
         if not r:
             continue
@@ -561,9 +562,8 @@ def main(argv=None):
     p.add_argument("--profile", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--count-only", action="store_true", help="print the FLOP counts (meta tensors, any machine) and exit")
-    p.add_argument("--split-cfg", action="store_true", help="also measure compiled diffrl with the CFG branches as two forwards")
+    p.add_argument("--compare-cfg", action="store_true", help="also measure compiled diffrl with the other SD3 cfg_mode (batched)")
     p.add_argument("--commit", default=None, help="commit to record (the GPU machine's copy has no .git)")
-    p.add_argument("--emulate-casts", action="store_true", help="torch._inductor.config.emulate_precision_casts (eager's bf16 rounding in fused kernels)")
     p.add_argument("--logp-only", action="store_true", help="stop each diffrl section after the warm-up and the log-prob check")
     p.add_argument("--done-file", default=None, help="write this file once a section's warm-up is done")
     p.add_argument("--wait-file", default=None, help="time nothing until this file exists (another process shares the GPU)")
@@ -587,16 +587,12 @@ def main(argv=None):
     device = args.device
     if torch.device(device).type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
-    if args.emulate_casts:
-        import torch._inductor.config as inductor_config
-
-        inductor_config.emulate_precision_casts = True
 
     results = {
         "date": time.strftime("%Y-%m-%d"), "commit": args.commit or git_commit(), "torch": torch.__version__, "python": platform.python_version(),
         "device": torch.cuda.get_device_name() if torch.device(device).type == "cuda" else "cpu",
         "config": {k: list(v) if isinstance(v, tuple) else v for k, v in args.config.items()},
-        "settings": {k: getattr(args, k) for k in ("batch", "steps", "cfg", "rank", "size", "n_text", "repeats", "e2e_iters", "peak_tflops", "sdpa", "compile_backend", "emulate_casts")},
+        "settings": {k: getattr(args, k) for k in ("batch", "steps", "cfg", "rank", "size", "n_text", "repeats", "e2e_iters", "peak_tflops", "sdpa", "compile_backend")},
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -619,8 +615,8 @@ def main(argv=None):
             if "compiled" not in skip:
                 measure_diffrl(args, "diffrl_compiled", True, results, device)
                 save()
-            if args.split_cfg and "split" not in skip:
-                measure_diffrl(args, "diffrl_compiled_split_cfg", True, results, device, split_cfg=True)
+            if args.compare_cfg:
+                measure_diffrl(args, "diffrl_compiled_batched_cfg", True, results, device, cfg_mode="batched")
                 save()
             if "eager" not in skip:
                 measure_diffrl(args, "diffrl_eager", False, results, device)
