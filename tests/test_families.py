@@ -121,7 +121,8 @@ def test_guidance_one_runs_no_uncond_branch_and_cfg_is_two_pass(family):
         assert not torch.allclose(out1, out3, atol=1e-4)  # the embedding changes the output
         assert set(cond.keys()) == {"prompt_embeds", "pooled_prompt_embeds"}  # no negative prompt is even encoded
         return
-    assert [b for b, _ in rec.calls] == [2, 4]  # guidance 1: conditional only; > 1: one batched [uncond; cond]
+    # guidance 1: conditional only; > 1: one batched [uncond; cond] (SD3's default cfg_mode=split: two forwards)
+    assert [b for b, _ in rec.calls] == ([2, 2, 2] if family == "sd3" else [2, 4])
     with torch.no_grad():
         uncond = adapter.predict(x, sigma, negative(cond), 1.0)
     expected = uncond + GUIDANCE * (out1 - uncond)
@@ -132,6 +133,39 @@ def test_guidance_one_runs_no_uncond_branch_and_cfg_is_two_pass(family):
         expected = unpack_latents(e * c.norm(dim=-1, keepdim=True) / e.norm(dim=-1, keepdim=True), *x.shape[-2:])
     torch.testing.assert_close(out3, expected, rtol=1e-4, atol=1e-5)
     assert not torch.allclose(out1, uncond, atol=1e-4)  # the prompt matters, so the CFG check can fail
+
+
+def test_sd3_split_cfg_equals_batched_cfg_without_uncond_gradients():
+    """SD3's cfg_mode=split (default) and batched give the same guided prediction and the same LoRA
+    gradients; split runs the unconditional branch with autograd off; an unknown mode is refused."""
+    adapters = {}
+    for mode in ("split", "batched"):
+        adapter = build_adapter("sd3", path=None, seed=0, cfg_mode=mode)
+        engine = DiffusionEngine(adapter, EngineSettings(lora_rank=4), settings("sd3", guidance_scale=GUIDANCE))
+        engine.initialize()
+        randomise_lora(engine.module, scale=0.05, seed=3)
+        adapters[mode] = adapter
+    cond = adapters["split"].encode_prompts(prompts_of(adapters["split"], 2))
+    x = torch.randn(2, *adapters["split"].latent_shape(32, 32), generator=torch.Generator().manual_seed(1))
+    sigma = torch.tensor([0.8, 0.3])
+    outs, grads, grad_modes = {}, {}, []
+    for mode, adapter in adapters.items():
+        hook = adapter.denoiser.register_forward_pre_hook(lambda *_: grad_modes.append((mode, torch.is_grad_enabled())))
+        try:
+            out = adapter.predict(x, sigma, cond, GUIDANCE)
+        finally:
+            hook.remove()
+        out.square().mean().backward()
+        outs[mode] = out.detach()
+        grads[mode] = {n: p.grad.clone() for n, p in adapter.denoiser.named_parameters() if p.grad is not None}
+    assert grad_modes == [("split", False), ("split", True), ("batched", True)]
+    torch.testing.assert_close(outs["split"], outs["batched"], rtol=1e-5, atol=1e-5)
+    assert grads["split"].keys() == grads["batched"].keys() and all("lora_" in n for n in grads["split"])
+    for name, g in grads["split"].items():
+        torch.testing.assert_close(g, grads["batched"][name], rtol=1e-4, atol=1e-6)
+    assert max(g.abs().max().item() for g in grads["split"].values()) > 1e-6  # gradients exist: the check can fail
+    with pytest.raises(ValueError, match="cfg_mode must be one of"):
+        build_adapter("sd3", path=None, seed=0, cfg_mode="fused")
 
 
 def save(adapter, folder):
