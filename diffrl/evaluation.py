@@ -53,3 +53,51 @@ def evaluate(adapter, prompts: list[str], *, seeds: list[int], num_steps: int, g
     td = sample_trajectories(adapter, prompts, settings=settings, seeds=seeds, micro_batch_size=micro_batch_size)
     images = td["images"]
     return score_images(images, prompts, metrics), images
+
+
+def paired_change(before_rows: list[dict], after_rows: list[dict], metrics: list[str]) -> dict[str, dict]:
+    """Per-sample change of each metric between two evaluations of the same held-out (prompt, seed) pairs.
+
+    The evaluation seeds are fixed, so each sample after training has a twin before it (the same prompt,
+    seed and, with ``sampler.eval_stochastic``, the same noise draws); the paired differences remove the
+    between-sample spread that makes two means hard to compare. For each metric present in both:
+
+    - ``mean_change``: mean of ``after − before``; ``stderr``: its standard error (sample std / √n);
+    - ``t``: ``mean_change / stderr`` (paired t statistic; |t| > 2 ≈ a change beyond sampling noise);
+    - ``improved_fraction`` / ``worsened_fraction``: share of pairs whose score went up / down (ties neither);
+    - ``n``: number of pairs.
+
+    Rows are the ``images/eval_step_N.jsonl`` records (``prompt``, ``seed``, one key per metric).
+
+    Raises:
+        ValueError: the two evaluations do not cover the same (prompt, seed) pairs.
+    """
+    def keyed(rows):  # (prompt, seed, k-th occurrence of that pair): duplicates pair up in order
+        seen: dict = {}
+        out = {}
+        for r in rows:
+            pair = (r["prompt"], int(r["seed"]))
+            seen[pair] = seen.get(pair, -1) + 1
+            out[(*pair, seen[pair])] = r
+        return out
+
+    a, b = keyed(before_rows), keyed(after_rows)
+    if a.keys() != b.keys():
+        raise ValueError(
+            f"paired_change: the evaluations cover different (prompt, seed) pairs ({len(a)} vs {len(b)} rows); "
+            "compare evaluations made with the same trainer.eval_seed and eval_seeds_per_prompt"
+        )
+    out = {}
+    for name in metrics:
+        if not all(name in r for r in a.values()) or not all(name in r for r in b.values()):
+            continue
+        d = torch.tensor([b[k][name] - a[k][name] for k in a], dtype=torch.float64)
+        n = d.numel()
+        stderr = float(d.std(unbiased=True) / n**0.5) if n > 1 else float("nan")
+        mean = float(d.mean())
+        out[name] = {
+            "mean_change": mean, "stderr": stderr,
+            "t": mean / stderr if stderr and stderr == stderr and stderr > 0 else float("nan"),
+            "improved_fraction": float((d > 0).double().mean()), "worsened_fraction": float((d < 0).double().mean()), "n": n,
+        }
+    return out

@@ -81,6 +81,14 @@ def test_ddpo_recipe_trains_on_jpeg_compressibility(tmp_path):
         assert -0.95 < r["reward_mean"] < -0.6, r
     summary = json.loads((out / "summary.json").read_text())
     assert summary["reward_before"] < 0 and 0.0 <= summary["gold_accuracy_before"] <= 1.0
+    # paired per-sample change on the same held-out (prompt, seed) pairs: its mean is the change of the means
+    paired = summary["paired_change"]
+    assert paired["steps"] == [0, 2]
+    for name in ("jpeg_compressibility", "digits_gold"):
+        key = f"eval/{name}"
+        assert paired[name]["n"] == len(read_jsonl(out / "images" / "eval_step_000000.jsonl"))
+        assert paired[name]["mean_change"] == pytest.approx(summary["eval_after"][key] - summary["eval_before"][key], abs=1e-9)
+        assert paired[name]["improved_fraction"] + paired[name]["worsened_fraction"] <= 1.0
 
 
 def test_stochastic_evaluation_samples_the_rollout_step_on_fixed_seeds(shipped):
