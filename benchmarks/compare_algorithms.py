@@ -33,10 +33,13 @@ RECIPES = {
     "dance_grpo": ["experiment=digits_dance_grpo"],
     "dpo": ["experiment=digits_dpo"],
     "nft": ["experiment=digits_nft"],
+    "ddpo": ["experiment=digits_ddpo"],  # JPEG compressibility on digits_eps; gold shows what it costs in content
 }
 
 
-def run_one(name: str, overrides: list[str], out: Path, threads: int) -> dict:
+def run_one(name: str, overrides: list[str], out: Path, threads: int, reuse: Path | None = None) -> dict:
+    if reuse is not None:  # a finished run folder (summary.json written), read instead of trained again
+        return collect({"name": name, "overrides": overrides, "returncode": 0, "process_seconds": None, "reused": str(reuse)}, reuse)
     run_dir = out / name
     cmd = [sys.executable, "-m", "diffrl.cli", "train", *overrides, f"trainer.output_dir={run_dir}", f"trainer.threads={threads}", "trainer.progress=false", "trainer.wandb=disabled"]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS=str(threads))
@@ -48,9 +51,23 @@ def run_one(name: str, overrides: list[str], out: Path, threads: int) -> dict:
     if proc.returncode != 0:
         result["error"] = (proc.stderr or proc.stdout)[-2000:]
         return result
+    return collect(result, run_dir)
+
+
+def collect(result: dict, run_dir: Path) -> dict:
+    if not (run_dir / "summary.json").is_file():
+        raise FileNotFoundError(f"{run_dir} holds no summary.json: not a finished `diffrl train` run")
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     cfg_lines = (run_dir / "config.yaml").read_text()
-    result["summary"] = json.loads((run_dir / "summary.json").read_text())
+    result["summary"] = summary = json.loads((run_dir / "summary.json").read_text())
+    if "paired_change" not in summary:  # a run from before summary.json held it: compute it from the eval files
+        from diffrl.evaluation import paired_change
+        from diffrl.logging import read_jsonl
+
+        files = [run_dir / "images" / f"eval_step_{s:06d}.jsonl" for s in (0, summary["steps"])]
+        if all(f.is_file() for f in files):
+            metrics = [k[5:] for k in summary["eval_after"] if k != "eval/seconds"]
+            summary["paired_change"] = {"steps": [0, summary["steps"]], **paired_change(*(read_jsonl(f) for f in files), metrics)}
     result["evals"] = [r for r in records if r["kind"] == "eval"]
     result["train"] = [
         {k: r.get(k) for k in ("step", "reward_mean", "loss", "kl", "wall_seconds")} for r in records if r["kind"] == "train"
@@ -68,22 +85,30 @@ def _images_per_step(config_yaml: str) -> int:
 
 def write_table(results: list[dict], path: Path) -> str:
     lines = [
-        "| recipe | steps | images sampled | gold before | gold after | Δ gold (points) | reward after | wall (s) |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| recipe | steps | images sampled | gold before | gold after | Δ gold (points) | reward before → after | paired t of the reward (improved share) | wall (s) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in results:
         if r["returncode"] != 0:
-            lines.append(f"| {r['name']} | failed: see {r['name']}.log | | | | | | |")
+            lines.append(f"| {r['name']} | failed: see {r['name']}.log | | | | | | | |")
             continue
         s = r["summary"]
         delta = 100 * (s["gold_accuracy_after"] - s["gold_accuracy_before"])
+        paired = s.get("paired_change", {}).get(_main_reward(r))
+        t = f"{paired['t']:+.1f} ({paired['improved_fraction']:.0%})" if paired else "–"
         lines.append(
             f"| {r['name']} | {s['steps']} | {s['steps'] * r['images_per_step']} | {s['gold_accuracy_before']:.3f} | "
-            f"{s['gold_accuracy_after']:.3f} | {delta:+.1f} | {s['reward_after']:.3f} | {s['wall_seconds']:.0f} |"
+            f"{s['gold_accuracy_after']:.3f} | {delta:+.1f} | {s['reward_before']:.4f} → {s['reward_after']:.4f} | {t} | {s['wall_seconds']:.0f} |"
         )
     text = "\n".join(lines) + "\n"
     path.write_text(text)
     return text
+
+
+def _main_reward(result: dict) -> str:
+    """The first training reward's name (``eval/<name>`` in the evaluations, not the gold metric)."""
+    keys = [k[5:] for k in result["evals"][0] if k.startswith("eval/") and k not in ("eval/digits_gold", "eval/seconds")]
+    return keys[0] if keys else "digits"
 
 
 def plot(results: list[dict], path: Path) -> None:
@@ -92,7 +117,7 @@ def plot(results: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    fig, axes = plt.subplots(1, 4, figsize=(21, 4.5))
     for r in results:
         if r["returncode"] != 0:
             continue
@@ -102,9 +127,12 @@ def plot(results: list[dict], path: Path) -> None:
         axes[1].plot([e["wall_seconds"] for e in r["evals"]], gold, marker="o", label=r["name"])
         if r["name"].startswith("flow_grpo") and "fast" not in r["name"]:
             axes[2].plot([e["eval/digits"] for e in r["evals"]], gold, marker="o", label=r["name"])
+        if _main_reward(r) == "jpeg_compressibility":
+            axes[3].plot([s * r["images_per_step"] for s in steps], [e["eval/jpeg_compressibility"] for e in r["evals"]], marker="o", label=r["name"])
     axes[0].set(xlabel="images sampled", ylabel="gold accuracy", title="gold accuracy vs images sampled")
     axes[1].set(xlabel="wall time (s)", ylabel="gold accuracy", title="gold accuracy vs wall time")
     axes[2].set(xlabel="training reward (eval)", ylabel="gold accuracy", title="reward vs gold, with and without KL")
+    axes[3].set(xlabel="images sampled", ylabel="−JPEG kB (eval, η = 1 on fixed seeds)", title="DDPO: JPEG compressibility")
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
@@ -121,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", action="append", default=[], help="NAME=override: extra override for one recipe (repeatable)")
     parser.add_argument("--variant", action="append", default=[], help="'LABEL:override override …': an extra run (overrides separated by spaces)")
     parser.add_argument("--all", action="append", default=[], help="override for every run (repeatable), e.g. model.device=cuda")
+    parser.add_argument("--reuse", action="append", default=[], help="NAME=RUN_DIR: take a finished run folder instead of training NAME again")
     args = parser.parse_args(argv)
     out = Path(args.out)
     if (out / "results.json").exists():
@@ -142,8 +171,13 @@ def main(argv: list[str] | None = None) -> int:
         recipes[label] = overrides.split()
     for overrides in recipes.values():
         overrides.extend(args.all)
+    reuse = dict(item.split("=", 1) for item in args.reuse)
+    unknown = set(reuse) - set(recipes)
+    if unknown:
+        print(f"--reuse names {sorted(unknown)} are not among the runs {sorted(recipes)}", file=sys.stderr)
+        return 2
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        futures = [pool.submit(run_one, name, ov, out, args.threads) for name, ov in recipes.items()]
+        futures = [pool.submit(run_one, name, ov, out, args.threads, Path(reuse[name]) if name in reuse else None) for name, ov in recipes.items()]
         results = [f.result() for f in futures]
     (out / "results.json").write_text(json.dumps(results, indent=1))
     print(write_table(results, out / "table.md"))
