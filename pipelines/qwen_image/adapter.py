@@ -227,21 +227,9 @@ class QwenImageAdapter(LatentFlowFamily):
         self.latent_channels = int(config.in_channels) // 4
         self.sample_size = int(sample_size if sample_size is not None else 128 * self.vae_factor)
 
-    def _setup(self, parts: dict, dtype: str, device: str, decode_chunk: int, drop_text_encoders: bool) -> None:
-        """LatentFlowFamily's setup, with AutoencoderKLQwenImage's per-channel ``latents_mean``/``latents_std`` in
-        place of the ``shift_factor``/``scaling_factor`` of an ``AutoencoderKL``."""
-        torch_dtype = _dtype(dtype)
-        cast = (lambda m: m) if torch_dtype == torch.float32 else (lambda m: m.to(dtype=torch_dtype))  # noqa: E731
-        self.denoiser = cast(parts["transformer"].to(device))
-        self.vae = cast(parts["vae"].to(device).eval().requires_grad_(False))
-        self.text_encoders = {n: cast(parts[n].to(device).eval().requires_grad_(False)) for n in self.text_encoder_names}
-        self.tokenizers = {n: parts[n] for n in self.tokenizer_names}
-        self.scheduler_config = dict(parts["scheduler"])
-        self.decode_chunk = int(decode_chunk)
-        if self.decode_chunk < 1:
-            raise ValueError(f"decode_chunk must be ≥ 1, got {decode_chunk}")
-        self.drop_text_encoders = bool(drop_text_encoders)
-        self._cache: dict[str, TensorDict] = {}
+    def _setup_vae_normalisation(self) -> None:
+        """AutoencoderKLQwenImage's per-channel ``latents_mean``/``latents_std`` in place of the
+        ``shift_factor``/``scaling_factor`` of an ``AutoencoderKL``."""
         cfg = self.vae.config
         self.vae_factor = 2 ** len(cfg.temperal_downsample)
         self.latents_mean = torch.tensor(cfg.latents_mean, dtype=torch.float32).view(1, cfg.z_dim, 1, 1)

@@ -151,6 +151,11 @@ class LatentFlowFamily(ModelAdapter):
             raise ValueError(f"decode_chunk must be ≥ 1, got {decode_chunk}")
         self.drop_text_encoders = bool(drop_text_encoders)
         self._cache: dict[str, TensorDict] = {}
+        self._setup_vae_normalisation()
+
+    def _setup_vae_normalisation(self) -> None:
+        """The latent normalisation and downsampling factor of the VAE: an ``AutoencoderKL``'s
+        ``scaling_factor``/``shift_factor`` (families with another VAE class override this)."""
         self.vae_scale = float(self.vae.config.scaling_factor)
         self.vae_shift = float(self.vae.config.shift_factor or 0.0)
         self.vae_factor = 2 ** (len(self.vae.config.block_out_channels) - 1)

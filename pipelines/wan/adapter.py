@@ -151,12 +151,6 @@ class WanAdapter(LatentFlowFamily):
         _dtype(dtype)
         parts = build_tiny_wan_components(seed) if path is None else load_wan_components(path)
         self._setup(parts, dtype, device, decode_chunk, drop_text_encoders)
-        cfg = self.vae.config
-        self.vae_factor = int(cfg.scale_factor_spatial)
-        self.vae_temporal_factor = int(cfg.scale_factor_temporal)
-        z = int(cfg.z_dim)
-        self.latents_mean = torch.tensor(cfg.latents_mean, dtype=torch.float32).view(1, z, 1, 1, 1)
-        self.latents_std = torch.tensor(cfg.latents_std, dtype=torch.float32).view(1, z, 1, 1, 1)
         self.num_frames = int(num_frames)
         if self.num_frames < 1 or (self.num_frames - 1) % self.vae_temporal_factor:
             raise ValueError(
@@ -170,21 +164,15 @@ class WanAdapter(LatentFlowFamily):
         self.shift = float(default_shift if flow_shift is None else flow_shift)
         self.patch_size = tuple(int(p) for p in self.denoiser.config.patch_size)
 
-    def _setup(self, parts: dict, dtype: str, device: str, decode_chunk: int, drop_text_encoders: bool) -> None:
-        """LatentFlowFamily's setup without its VAE normalisation: ``AutoencoderKLWan`` has per-channel
-        ``latents_mean``/``latents_std`` (read in ``__init__``) instead of ``scaling_factor``/``shift_factor``."""
-        torch_dtype = _dtype(dtype)
-        cast = (lambda m: m) if torch_dtype == torch.float32 else (lambda m: m.to(dtype=torch_dtype))
-        self.denoiser = cast(parts["transformer"].to(device))
-        self.vae = cast(parts["vae"].to(device).eval().requires_grad_(False))
-        self.text_encoders = {n: cast(parts[n].to(device).eval().requires_grad_(False)) for n in self.text_encoder_names}
-        self.tokenizers = {n: parts[n] for n in self.tokenizer_names}
-        self.scheduler_config = dict(parts["scheduler"])
-        self.decode_chunk = int(decode_chunk)
-        if self.decode_chunk < 1:
-            raise ValueError(f"decode_chunk must be ≥ 1, got {decode_chunk}")
-        self.drop_text_encoders = bool(drop_text_encoders)
-        self._cache: dict[str, TensorDict] = {}
+    def _setup_vae_normalisation(self) -> None:
+        """``AutoencoderKLWan``'s per-channel ``latents_mean``/``latents_std`` (5-D latents) and its spatial and
+        temporal factors, in place of an ``AutoencoderKL``'s ``scaling_factor``/``shift_factor``."""
+        cfg = self.vae.config
+        self.vae_factor = int(cfg.scale_factor_spatial)
+        self.vae_temporal_factor = int(cfg.scale_factor_temporal)
+        z = int(cfg.z_dim)
+        self.latents_mean = torch.tensor(cfg.latents_mean, dtype=torch.float32).view(1, z, 1, 1, 1)
+        self.latents_std = torch.tensor(cfg.latents_std, dtype=torch.float32).view(1, z, 1, 1, 1)
 
     # -- prompts --------------------------------------------------------------------------------
     def _encode_batch(self, prompts: list[str]) -> TensorDict:
