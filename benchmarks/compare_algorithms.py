@@ -61,13 +61,11 @@ def collect(result: dict, run_dir: Path) -> dict:
     cfg_lines = (run_dir / "config.yaml").read_text()
     result["summary"] = summary = json.loads((run_dir / "summary.json").read_text())
     if "paired_change" not in summary:  # a run from before summary.json held it: compute it from the eval files
-        from diffrl.evaluation import paired_change
-        from diffrl.logging import read_jsonl
+        from diffrl.evaluation import run_paired_change
 
-        files = [run_dir / "images" / f"eval_step_{s:06d}.jsonl" for s in (0, summary["steps"])]
-        if all(f.is_file() for f in files):
-            metrics = [k[5:] for k in summary["eval_after"] if k != "eval/seconds"]
-            summary["paired_change"] = {"steps": [0, summary["steps"]], **paired_change(*(read_jsonl(f) for f in files), metrics)}
+        paired = run_paired_change(run_dir, summary["steps"], [k[5:] for k in summary["eval_after"] if k != "eval/seconds"])
+        if paired is not None:
+            summary["paired_change"] = paired
     result["evals"] = [r for r in records if r["kind"] == "eval"]
     result["train"] = [
         {k: r.get(k) for k in ("step", "reward_mean", "loss", "kl", "wall_seconds")} for r in records if r["kind"] == "train"

@@ -101,3 +101,16 @@ def paired_change(before_rows: list[dict], after_rows: list[dict], metrics: list
             "improved_fraction": float((d > 0).double().mean()), "worsened_fraction": float((d < 0).double().mean()), "n": n,
         }
     return out
+
+
+def run_paired_change(run_dir, steps: int, metrics: list[str]) -> dict | None:
+    """:func:`paired_change` between a run folder's step-0 and step-``steps`` evaluations
+    (``images/eval_step_N.jsonl``), as ``{"steps": [0, steps], <metric>: {…}}``; None when either is missing."""
+    from pathlib import Path
+
+    from diffrl.logging import read_jsonl
+
+    files = [Path(run_dir) / "images" / f"eval_step_{s:06d}.jsonl" for s in (0, steps)]
+    if steps <= 0 or not all(f.is_file() for f in files):
+        return None
+    return {"steps": [0, steps], **paired_change(*(read_jsonl(f) for f in files), metrics)}

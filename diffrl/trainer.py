@@ -27,8 +27,8 @@ from tensordict import NonTensorStack, TensorDict
 
 from diffrl import algorithms, checkpoint
 from diffrl.engine import EngineSettings, OptimConfig
-from diffrl.evaluation import eval_prompts_and_seeds, paired_change
-from diffrl.logging import Progress, RunLogger, per_sample_scores, read_jsonl
+from diffrl.evaluation import eval_prompts_and_seeds, run_paired_change
+from diffrl.logging import Progress, RunLogger, per_sample_scores
 from diffrl.rollout import SamplerSettings, sample_seed
 from diffrl.schedules import TrainingWindow
 from diffrl.single_controller import build_worker_group
@@ -440,8 +440,7 @@ class Trainer:
             summary["gold_accuracy_before"] = before[f"eval/{self.gold_name}"]
             summary["gold_accuracy_after"] = after[f"eval/{self.gold_name}"]
         # the same held-out (prompt, seed) pairs before and after: per-sample paired changes of every metric
-        steps = int(self.cfg.trainer.steps)
-        files = [self.output_dir / "images" / f"eval_step_{s:06d}.jsonl" for s in (0, steps)]
-        if steps > 0 and all(f.is_file() for f in files):
-            summary["paired_change"] = {"steps": [0, steps], **paired_change(*(read_jsonl(f) for f in files), list(self.eval_metrics))}
+        paired = run_paired_change(self.output_dir, int(self.cfg.trainer.steps), list(self.eval_metrics))
+        if paired is not None:
+            summary["paired_change"] = paired
         return summary
