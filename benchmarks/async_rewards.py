@@ -33,8 +33,8 @@ class DelayedReward:
 
 
 def main() -> None:
-    from diffrl.config import compose
-    from diffrl.reward_server import RewardServer
+    from diffrl.recipes import compose
+    from diffrl.tools.reward_server import RewardServer
     from diffrl.trainer import Trainer
     from rewards.base import build_reward
 

@@ -41,7 +41,7 @@ def run_one(name: str, overrides: list[str], out: Path, threads: int, reuse: Pat
     if reuse is not None:  # a finished run folder (summary.json written), read instead of trained again
         return collect({"name": name, "overrides": overrides, "returncode": 0, "process_seconds": None, "reused": str(reuse)}, reuse)
     run_dir = out / name
-    cmd = [sys.executable, "-m", "diffrl.cli", "train", *overrides, f"trainer.output_dir={run_dir}", f"trainer.threads={threads}", "trainer.progress=false", "trainer.wandb=disabled"]
+    cmd = [sys.executable, "-m", "diffrl.tools.cli", "train", *overrides, f"trainer.output_dir={run_dir}", f"trainer.threads={threads}", "trainer.progress=false", "trainer.wandb=disabled"]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS=str(threads))
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
@@ -61,7 +61,7 @@ def collect(result: dict, run_dir: Path) -> dict:
     cfg_lines = (run_dir / "config.yaml").read_text()
     result["summary"] = summary = json.loads((run_dir / "summary.json").read_text())
     if "paired_change" not in summary:  # a run from before summary.json held it: compute it from the eval files
-        from diffrl.evaluation import run_paired_change
+        from diffrl.sampling.evaluation import run_paired_change
 
         paired = run_paired_change(run_dir, summary["steps"], [k[5:] for k in summary["eval_after"] if k != "eval/seconds"])
         if paired is not None:

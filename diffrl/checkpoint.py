@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from diffrl import parallel
+from diffrl.engine import parallel
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
@@ -100,7 +100,7 @@ def save_engine(engine, root: str | Path, *, global_step: int, extra_state: dict
             meta = dict(optimizer[1], scheduler=engine.scheduler.state_dict() if engine.scheduler is not None else None)
             (tmp / "optimizer.json").write_text(json.dumps(meta))
         save_file({"torch_cpu": torch.get_rng_state()}, str(tmp / "rng.safetensors"))
-        lora = {"rank": int(engine.settings.lora_rank), "alpha": float(engine.settings.lora_alpha)} if engine.settings.lora_rank else None
+        lora = {"rank": int(engine.model.lora.rank), "alpha": float(engine.model.lora.alpha)} if engine.model.lora.rank else None
         (tmp / "state.json").write_text(json.dumps({"global_step": global_step, "lora": lora, **(extra_state or {})}, indent=2))
         os.replace(tmp, final)
         _fsync_dir(root)

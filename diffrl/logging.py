@@ -19,7 +19,7 @@ wandb (:class:`RunLogger`, ``trainer.wandb``):
   ``<run folder>/wandb/offline-run-*``, the sample tables' files (wandb stages them as artifacts) in
   ``<run folder>/wandb/data`` unless ``WANDB_DATA_DIR`` is set, and nothing leaves the machine (the
   explicit mode wins over a ``WANDB_MODE`` environment variable). No login is needed; ``wandb sync <that folder>`` uploads it
-  later, :func:`diffrl.analysis.read_wandb_history` reads it back locally.
+  later, :func:`diffrl.tools.analysis.read_wandb_history` reads it back locally.
 - ``online``: streams to the wandb server (needs ``wandb login`` or ``WANDB_API_KEY``).
 - ``disabled``: wandb is never imported and nothing is written for it.
 
@@ -44,6 +44,7 @@ from typing import Any, Callable
 
 import torch
 
+from diffrl.sampling.evaluation import main_score, per_sample_scores, read_jsonl  # noqa: F401  (the logging API)
 from diffrl import wandb_file
 
 WANDB_MODES = ("offline", "online", "disabled")
@@ -67,10 +68,6 @@ class JsonlWriter:
 
     def close(self) -> None:
         self._fh.close()
-
-
-def read_jsonl(path: str | Path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
 def image_grid(images: torch.Tensor, *, columns: int | None = None, scale: int = 1, padding: int = 1):
@@ -117,23 +114,6 @@ def save_grid(images: torch.Tensor, path: str | Path, **kwargs) -> Path:
     image_grid(middle_frames(images), **kwargs).save(tmp)
     os.replace(tmp, path)
     return path
-
-
-def per_sample_scores(images: torch.Tensor, prompts: list[str], metrics: dict[str, Callable]) -> dict[str, torch.Tensor]:
-    """``{name: float [B]}``: each eval metric (reward protocol) on every image.
-
-    The value of metric ``name`` is its output under ``name`` (else its first output), the same choice as
-    :func:`diffrl.evaluation.score_images`, whose means are ``scores[name].mean()``.
-    """
-    from rewards.base import call_reward
-
-    return {name: main_score(name, call_reward(name, fn, images, prompts, None)) for name, fn in metrics.items()}
-
-
-def main_score(name: str, result: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The value of eval metric ``name`` in its reward's output: ``result[name]``, else the first output
-    (float, CPU)."""
-    return result.get(name, next(iter(result.values()))).detach().float().cpu()
 
 
 def grid_rows(num_samples: int, samples_per_prompt: int, max_images: int) -> list[int]:

@@ -1,11 +1,13 @@
-"""The RL loop: sample → reward → advantages → update → sync → log → checkpoint.
+"""The RL loop: ask the algorithm what to sample → rollout → reward → algorithm.update → weight sync → log →
+checkpoint.
 
-One process drives an ``ActorRolloutRefWorker`` (actor, rollout and reference on one module). Each
-step draws ``prompts_per_step`` prompts (a seeded permutation per pass over the prompt set), samples
-``group_size`` trajectories per prompt with per-sample seeds from ``(seed, step, prompt position,
-index)``, scores them, normalises rewards within each prompt's group and updates the policy on every
-stochastic step. Evaluations (before the first step, every ``eval_every`` steps and after the last)
-sample fixed held-out seeds with the ODE and report the rewards and the gold metric.
+One process drives a group of ``ActorRolloutRefWorker`` (actor, rollout and reference on one module; one
+rank in-process or one Ray actor per rank). Each step draws ``prompts_per_step`` prompts (a seeded
+permutation per pass over the prompt set), samples ``group_size`` trajectories per prompt with per-sample
+seeds (``diffrl.sampling.seeding``), scores them and hands them to the algorithm (``diffrl.algorithms``:
+the class registered under ``algorithm.trainer``), which turns rewards into its update. Evaluations
+(before the first step, every ``eval_every`` steps and after the last) sample fixed held-out seeds with the
+ODE and report the rewards and the gold metric.
 
 A run folder holds ``config.yaml``, ``metrics.jsonl`` (one line per step and per evaluation),
 ``images/eval_step_<N>.png`` and ``.jsonl`` (grid and per-sample scores), ``checkpoints/step_<N>/``,
@@ -25,14 +27,17 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tensordict import NonTensorStack, TensorDict
 
-from diffrl import algorithms, checkpoint
-from diffrl.engine import EngineSettings, OptimConfig
-from diffrl.evaluation import eval_prompts_and_seeds, run_paired_change
-from diffrl.logging import Progress, RunLogger, per_sample_scores
-from diffrl.rollout import SamplerSettings, sample_seed
-from diffrl.schedules import TrainingWindow
-from diffrl.single_controller import build_worker_group
-from diffrl.workers import TrainingWorkerConfig
+from diffrl import checkpoint
+from diffrl.algorithms import Algorithm, RunContext, build_algorithm
+from diffrl.config import ModelConfig
+from diffrl.data import read_prompt_file, step_prompts
+from diffrl.distributed import WorkerGroup, build_worker_group
+from diffrl.distributed.workers import ActorRolloutRefWorker, WorkerConfig
+from diffrl.recipes import Config, to_config
+from diffrl.sampling.evaluation import eval_prompts_and_seeds, per_sample_scores, run_paired_change
+from diffrl.sampling.schedules import TrainingWindow
+from diffrl.sampling.seeding import Stream, derive
+from diffrl.logging import Progress, RunLogger
 from rewards.base import build_reward, score
 
 
@@ -40,17 +45,7 @@ class RunFolderError(FileExistsError):
     """The output folder already holds a run."""
 
 
-def read_prompt_file(path: str | Path) -> list[str]:
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"prompt file {path} does not exist (trainer.prompts)")
-    prompts = [line.strip() for line in path.read_text().splitlines() if line.strip()]
-    if not prompts:
-        raise ValueError(f"prompt file {path} holds no prompts")
-    return prompts
-
-
-def build_window(cfg: DictConfig) -> TrainingWindow:
+def build_window(cfg: Config) -> TrainingWindow:
     s = cfg.sampler
     window_range = list(s.window_range) or [0, s.num_steps]
     if len(window_range) != 2:
@@ -62,7 +57,7 @@ def build_window(cfg: DictConfig) -> TrainingWindow:
     )
 
 
-def check_sizes(cfg: DictConfig) -> None:
+def check_sizes(cfg: Config | DictConfig) -> None:
     """Global sizes against workers and mini-batches, before any work: a clear error with valid sizes."""
     t, a = cfg.trainer, cfg.algorithm
     if t.prompts_per_step < 1 or t.group_size < 1:
@@ -85,8 +80,6 @@ def check_sizes(cfg: DictConfig) -> None:
                 f"prompts_per_step × group_size and algorithm.mini_batch_size must be multiples of {W} "
                 f"(valid mini_batch_size values: {valid})"
             )
-        if a.adv_drop_zero_std:
-            raise ValueError("algorithm.adv_drop_zero_std leaves an uneven number of rows; with trainer.num_workers > 1 set it to false")
         if not cfg.model.fsdp:
             raise ValueError(
                 f"model.fsdp=false with trainer.num_workers={W}: the workers would train unsynchronised copies (gradients are "
@@ -101,45 +94,35 @@ def check_sizes(cfg: DictConfig) -> None:
         raise ValueError(f"reward.async_chunks={C} gives chunks of {batch // C} rollouts, not divisible by trainer.num_workers={W}; valid: {valid}")
 
 
-def optimizer_steps(cfg: DictConfig) -> int:
-    """Optimizer steps of the whole run: RL steps × mini-batches per step × epochs."""
-    t, a = cfg.trainer, cfg.algorithm
-    batch = t.prompts_per_step * t.group_size if a.trainer != "preference" else t.prompts_per_step
-    return int(t.steps) * max(1, batch // int(a.mini_batch_size or batch)) * int(a.epochs)
+def run_context(cfg: Config) -> RunContext:
+    names, weights = list(cfg.reward.names), list(cfg.reward.weights) or [1.0] * len(cfg.reward.names)
+    if not names:
+        raise ValueError("reward.names is empty: give at least one reward")
+    if len(weights) != len(names):
+        raise ValueError(f"reward.weights has {len(weights)} entries for {len(names)} reward.names; give one weight per reward")
+    t = cfg.trainer
+    return RunContext(seed=int(t.seed), prompts_per_step=int(t.prompts_per_step), group_size=int(t.group_size), sampler=cfg.sampler,
+                      reward_weights={n: float(w) for n, w in zip(names, weights)})
 
 
-def worker_config(cfg: DictConfig) -> TrainingWorkerConfig:
-    a, m, s = cfg.algorithm, cfg.model, cfg.sampler
-    return TrainingWorkerConfig(
-        model_family=m.family,
-        model_kwargs={**OmegaConf.to_container(m.options, resolve=True), "path": m.path, "dtype": m.dtype, "device": m.device},
-        engine=EngineSettings(
-            lora_rank=m.lora.rank, lora_alpha=m.lora.alpha, lora_dropout=m.lora.dropout,
-            lora_target_modules=list(m.lora.target_modules) if m.lora.target_modules else None, init_seed=cfg.trainer.seed,
-            micro_batch_size=a.micro_batch_size, fsdp=m.fsdp, param_offload=m.param_offload,
-            activation_checkpointing=m.activation_checkpointing, old_policy=a.trainer == "nft", compile=m.compile,
-            optim=OptimConfig(
-                lr=a.lr, weight_decay=a.weight_decay, max_grad_norm=a.max_grad_norm, lr_schedule=a.lr_schedule,
-                warmup_steps=a.warmup_steps, total_steps=optimizer_steps(cfg),
-            ),
-        ),
-        sampler=SamplerSettings(
-            num_steps=s.num_steps, step_kind=s.kind, noise_level=s.noise_level, ode_solver=s.ode_solver, clip_sample=s.clip_sample,
-            guidance_scale=s.guidance_scale, shift=s.shift, height=s.height, width=s.width, eval_stochastic=bool(s.get("eval_stochastic", False)),
-        ),
+def worker_config(cfg: Config | DictConfig, algorithm: Algorithm | None = None) -> WorkerConfig:
+    """What every worker builds its model and engine from: the components' configs as they are."""
+    cfg = to_config(cfg)
+    algorithm = algorithm or build_algorithm(cfg.algorithm, run_context(cfg))
+    return WorkerConfig(
+        model=cfg.model, sampler=cfg.sampler, optim=algorithm.config, micro_batch_size=cfg.algorithm.micro_batch_size, seed=int(cfg.trainer.seed),
+        old_policy=algorithm.needs_old_policy, total_steps=int(cfg.trainer.steps) * algorithm.optimizer_steps_per_rl_step(),
     )
 
 
 class Trainer:
     """Runs one recipe (a composed config from ``diffrl.config.compose``)."""
 
-    def __init__(self, cfg: DictConfig):
-        self.cfg = cfg
+    def __init__(self, cfg: Config | DictConfig):
+        self.cfg = cfg = to_config(cfg)
         t = cfg.trainer
         if t.threads:
             torch.set_num_threads(int(t.threads))
-        if t.prompts_per_step < 1 or t.group_size < 1:
-            raise ValueError(f"trainer.prompts_per_step and trainer.group_size must be ≥ 1, got {t.prompts_per_step} and {t.group_size}")
         check_sizes(cfg)
         self.output_dir = Path(t.output_dir or f"outputs/{cfg.experiment}-{datetime.now():%Y%m%d-%H%M%S}")
         if t.resume not in ("never", "auto"):
@@ -154,66 +137,55 @@ class Trainer:
                     f"choose another trainer.output_dir ({why})"
                 )
             self.resume_path = found[-1]
+        run = run_context(cfg)
+        self.algorithm = build_algorithm(cfg.algorithm, run)
+        self.algorithm.validate(int(t.num_workers))
         torch.manual_seed(t.seed)
         self.window = build_window(cfg)
-        a = cfg.algorithm
-        loss_fn = algorithms.build_loss(cfg)
-        self.workers = build_worker_group(
-            worker_config(cfg), backend=t.backend, num_workers=t.num_workers,
+        self.workers: WorkerGroup = build_worker_group(
+            ActorRolloutRefWorker, worker_config(cfg, self.algorithm), backend=t.backend, num_workers=t.num_workers,
             **({"num_cpus_per_worker": t.num_cpus_per_worker, "num_gpus_per_worker": t.num_gpus_per_worker, "threads": t.threads} if t.backend == "ray" else {}),
         )
         self.workers.init_model()
-        self.workers.set_loss_fn(loss_fn)
+        self.workers.set_loss_fn(self.algorithm.objective())
         self.flops = self.workers.flops_counter(t.peak_flops)
         self.prompts = read_prompt_file(t.prompts) if t.prompts else self.workers.default_prompts()
         if not self.prompts:
             raise ValueError(f"model family {cfg.model.family!r} has no built-in prompts; set trainer.prompts=<file>")
-        options = OmegaConf.to_container(cfg.reward.options, resolve=True)
-        names, weights = list(cfg.reward.names), list(cfg.reward.weights) or [1.0] * len(cfg.reward.names)
-        if not names:
-            raise ValueError("reward.names is empty: give at least one reward")
-        if len(weights) != len(names):
-            raise ValueError(f"reward.weights has {len(weights)} entries for {len(names)} reward.names; give one weight per reward")
-        self.rewards = {name: (build_reward(name, **options.get(name, {})), float(w)) for name, w in zip(names, weights)}
+        options = cfg.reward.options
+        self.rewards = {name: (build_reward(name, **options.get(name, {})), w) for name, w in run.reward_weights.items()}
         self.eval_metrics = {name: fn for name, (fn, _) in self.rewards.items()}
         self.gold_name = cfg.reward.gold
         if self.gold_name:
             self.eval_metrics[self.gold_name] = build_reward(self.gold_name, **options.get(self.gold_name, {}))
-        self.advantages = algorithms.AdvantageComputer(cfg, {name: w for name, (_, w) in self.rewards.items()})
-        self.offline_pairs = (
-            self.workers.load_offline_pairs(a.preference_pairs) if a.trainer == "preference" and a.preference_pairs else None
-        )
+        self.algorithm.setup(self.workers)
 
     # -- pieces ---------------------------------------------------------------------------------
     def step_prompts(self, step: int) -> list[str]:
-        """The step's prompts: positions ``step·P … step·P + P − 1`` of a seeded permutation per pass."""
-        n, P = len(self.prompts), self.cfg.trainer.prompts_per_step
-        chosen = []
-        for pos in range(step * P, step * P + P):
-            epoch, offset = divmod(pos, n)
-            perm = torch.randperm(n, generator=torch.Generator().manual_seed(self.cfg.trainer.seed * 100003 + epoch))
-            chosen.append(self.prompts[int(perm[offset])])
-        return chosen
+        """The step's prompts (``diffrl.data.step_prompts``)."""
+        return step_prompts(self.prompts, step, self.cfg.trainer.prompts_per_step, self.cfg.trainer.seed)
 
     def rollout_request(self, step: int) -> TensorDict:
+        """The step's rollout request: per-sample seeds (stream ``ROLLOUT``), groups, prompts and the
+        algorithm's :class:`~diffrl.algorithms.RolloutPlan` as non-tensor flags."""
         t = self.cfg.trainer
         prompts = self.step_prompts(step)
         G = t.group_size
         td = TensorDict(
             {
-                "seeds": torch.tensor([sample_seed(t.seed, step, j, s) for j in range(len(prompts)) for s in range(G)]),
+                "seeds": torch.tensor([derive(t.seed, Stream.ROLLOUT, step, j, s) for j in range(len(prompts)) for s in range(G)]),
                 "group_id": torch.arange(len(prompts)).repeat_interleave(G),
             },
             batch_size=[len(prompts) * G],
         )
         td["prompts"] = NonTensorStack(*[p for p in prompts for _ in range(G)])
         if self.cfg.sampler.same_initial_noise:
-            td["init_seeds"] = torch.tensor([sample_seed(t.seed, step, j, -1) for j in range(len(prompts)) for _ in range(G)])
-        policy, trained, stochastic = algorithms.rollout_policy_and_masks(self.cfg, self.window.masks(step))
-        td.set_non_tensor("policy", policy)
-        td.set_non_tensor("sde_mask", trained)
-        td.set_non_tensor("stochastic_mask", stochastic)
-        if self.cfg.algorithm.loss == "grpo_guard" and self.cfg.algorithm.trainer == "policy_gradient":
+            td["init_seeds"] = torch.tensor([derive(t.seed, Stream.INITIAL_NOISE, step, j) for j in range(len(prompts)) for _ in range(G)])
+        plan = self.algorithm.rollout_plan(self.window.masks(step))
+        td.set_non_tensor("policy", plan.policy)
+        td.set_non_tensor("sde_mask", plan.trained)
+        td.set_non_tensor("stochastic_mask", plan.stochastic)
+        if plan.record_means:
             td.set_non_tensor("record_means", True)
         if self.cfg.sampler.micro_batch_size:
             td.set_non_tensor("micro_batch_size", int(self.cfg.sampler.micro_batch_size))
@@ -241,11 +213,11 @@ class Trainer:
         cfg, t = self.cfg, self.cfg.trainer
         wall_start = time.perf_counter()
         (self.output_dir / "images").mkdir(parents=True, exist_ok=True)
-        (self.output_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+        (self.output_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
         start_step, before, last_eval = self._resume() if self.resume_path else (0, None, None)
         log = self.logger = RunLogger(
             self.output_dir, wandb_mode=t.wandb, project=t.wandb_project, entity=t.wandb_entity, run_name=t.wandb_run_name,
-            config=OmegaConf.to_container(cfg, resolve=True), max_table_rows=t.max_grid_images,
+            config=OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True), max_table_rows=t.max_grid_images,
         )
         progress = Progress(t.steps, initial=start_step, enabled=t.progress, desc=cfg.experiment)
         try:
@@ -262,7 +234,7 @@ class Trainer:
                 log.log(record)
                 progress.update(reward=record.get("reward_mean", float("nan")), loss=record.get("loss", float("nan")))
                 done = step + 1
-                if done % t.eval_every == 0 or done == t.steps:
+                if (t.eval_every and done % t.eval_every == 0) or done == t.steps:
                     last_eval = self.evaluate(done)
                     log.log({"step": done, "kind": "eval", **last_eval, "wall_seconds": time.perf_counter() - wall_start})
                     progress.write(f"eval at step {done}: {self._eval_line(last_eval)}")
@@ -288,7 +260,7 @@ class Trainer:
         state = self.workers.load_checkpoint(self.resume_path)
         step = int(state["global_step"])
         self.window.load_state_dict(state["window"])
-        self.advantages.load_state_dict(state.get("advantages", {}))
+        self.algorithm.load_state_dict(state)
         self.workers.update_weights(step)
         path = self.output_dir / "metrics.jsonl"
         kept = []
@@ -309,11 +281,10 @@ class Trainer:
         return step, strip(evals[0]), strip(evals[-1])
 
     def train_step(self, step: int) -> dict:
-        a = self.cfg.algorithm
         times = {}
         record = {"step": step + 1, "kind": "train"}
         traj = scores = None
-        if a.trainer != "preference" or self.offline_pairs is None:
+        if self.algorithm.needs_rollout(step):
             traj, scores = self.rollout_and_score(step, times)
             rewards = scores["rewards"]
             record.update(reward_mean=rewards.mean().item(), reward_std=rewards.std(unbiased=False).item())
@@ -321,17 +292,16 @@ class Trainer:
                 if key.startswith("reward/"):
                     record[f"{key}_mean"] = value.mean().item()
         start = time.perf_counter()
-        update = {"policy_gradient": algorithms.policy_gradient_update, "preference": algorithms.preference_update, "nft": algorithms.nft_update}[a.trainer]
-        out, extra = update(self, traj, scores, step)
+        result = self.algorithm.update(self.workers, traj, scores, step)
         self.workers.update_weights(step + 1)
         self.window.advance()
         times["time/train"] = time.perf_counter() - start
-        record.update(extra)
-        for key, values in out.items():
+        record.update(result.record)
+        for key, values in result.metrics.items():
             if isinstance(values, list) and values and isinstance(values[0], (int, float)):
                 record[key] = sum(values) / len(values)
-        if "ratio_mean" in out:
-            record["first_ratio_mean"] = out["ratio_mean"][0]
+        if "ratio_mean" in result.metrics:
+            record["first_ratio_mean"] = result.metrics["ratio_mean"][0]
         record.update(times)
         record.update(self.throughput(record, times))
         return record
@@ -393,7 +363,7 @@ class Trainer:
         and training passes (analytic FLOPs of ``diffrl.flops``; forward-only passes count 1/3 of a
         training pass)."""
         cfg, W = self.cfg, self.workers.world_size
-        s, a, t = cfg.sampler, cfg.algorithm, cfg.trainer
+        s, t = cfg.sampler, cfg.trainer
         n = t.prompts_per_step * t.group_size
         out = {}
         if "time/rollout" in times:
@@ -404,20 +374,15 @@ class Trainer:
             mfu = self.flops.mfu(self.flops.rollout_flops(n, s.num_steps, s.guidance_scale), times["time/rollout"], W)
             if mfu is not None:
                 out["perf/mfu_rollout"] = mfu
-        if a.trainer == "policy_gradient":
-            units, extra = n * int(self.window.masks(0).trained.sum()), int(a.kl_beta > 0)
-        elif a.trainer == "nft":
-            units, extra = n * int(a.nft_num_timesteps or s.num_steps), 1 + int(a.kl_beta > 0)
-        else:
-            units, extra = 2 * int(record.get("pairs", 0)) * a.dpo_num_timesteps, 1
-        mfu = self.flops.mfu(self.flops.train_flops(units, 1, s.guidance_scale, extra) * a.epochs, times["time/train"], W)
+        units, extra = self.algorithm.train_forwards(record, int(self.window.masks(0).trained.sum()))
+        mfu = self.flops.mfu(self.flops.train_flops(units, 1, s.guidance_scale, extra) * self.algorithm.config.epochs, times["time/train"], W)
         if mfu is not None:
             out["perf/mfu_train"] = mfu
         return out
 
     def trainer_state(self) -> dict:
         """JSON state saved next to the weights: what a resume needs beyond the engine."""
-        return {"experiment": self.cfg.experiment, "window": self.window.state_dict(), "advantages": self.advantages.state_dict()}
+        return {"experiment": self.cfg.experiment, "window": self.window.state_dict(), **self.algorithm.state_dict()}
 
     @staticmethod
     def _eval_line(metrics: dict) -> str:

@@ -27,6 +27,9 @@ index in the full batch (for videos: the video's index, and the frame's when sco
 
 from __future__ import annotations
 
+import base64
+import io
+
 import importlib
 from importlib.metadata import entry_points
 from typing import Any, Callable
@@ -340,3 +343,40 @@ def score(rewards: dict[str, tuple[Callable, float]], images: torch.Tensor, prom
         total = total + float(weight) * main
     out["rewards"] = total
     return out
+
+
+# -- the wire format of remote rewards (rewards.remote, diffrl.tools.reward_server) ----------------------
+TOKEN_ENV = "DIFFRL_REWARD_TOKEN"
+"""environment variable holding the bearer token of a reward server"""
+
+
+def encode_png(image: torch.Tensor) -> str:
+    """uint8 ``[3, H, W]`` → base64 text of a lossless PNG (fast compression)."""
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.fromarray(image.detach().cpu().permute(1, 2, 0).contiguous().numpy()).save(buffer, format="PNG", compress_level=1)
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def decode_png(text: str, max_pixels: int = 4096 * 4096) -> torch.Tensor:
+    """base64 PNG → uint8 ``[3, H, W]`` (RGB); ``ValueError`` naming the problem when it is not one."""
+    import numpy as np
+    from PIL import Image
+
+    if not isinstance(text, str):
+        raise ValueError(f"an image must be a base64 PNG string, got {type(text).__name__}")
+    try:
+        data = base64.b64decode(text, validate=True)
+    except ValueError as exc:
+        raise ValueError(f"an image is not valid base64 ({exc})") from exc
+    if not data.startswith(b"\x89PNG\r\n\x1a\n"):
+        raise ValueError("an image is not a PNG (send PNG, lossless; JPEG would change the pixels)")
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            if im.width * im.height > max_pixels:
+                raise ValueError(f"an image has {im.width}x{im.height} pixels, more than the limit {max_pixels}")
+            array = np.asarray(im.convert("RGB"))
+    except (OSError, SyntaxError) as exc:
+        raise ValueError(f"an image is a corrupt PNG ({exc})") from exc
+    return torch.from_numpy(array.copy()).permute(2, 0, 1).contiguous()

@@ -1,4 +1,4 @@
-"""``remote``: a reward served over HTTP by ``diffrl serve-reward`` (:mod:`diffrl.reward_server`).
+"""``remote``: a reward served over HTTP by ``diffrl serve-reward`` (:mod:`diffrl.tools.reward_server`).
 
 Wire protocol (JSON, UTF-8; images as base64 PNG, never pickle):
 
@@ -36,43 +36,10 @@ from typing import Any
 
 import torch
 
-from rewards.base import Reward, RewardError, from_pil, register_reward, slice_metadata
+from rewards.base import TOKEN_ENV, Reward, RewardError, decode_png, encode_png, from_pil, register_reward, slice_metadata  # noqa: F401  (the wire format)
 
 PROTOCOL = 1
-TOKEN_ENV = "DIFFRL_REWARD_TOKEN"
 RETRY_STATUSES = (502, 503, 504)
-
-
-def encode_png(image: torch.Tensor) -> str:
-    """uint8 ``[3, H, W]`` → base64 text of a lossless PNG (fast compression)."""
-    from PIL import Image
-
-    buffer = io.BytesIO()
-    Image.fromarray(image.detach().cpu().permute(1, 2, 0).contiguous().numpy()).save(buffer, format="PNG", compress_level=1)
-    return base64.b64encode(buffer.getvalue()).decode("ascii")
-
-
-def decode_png(text: str, max_pixels: int = 4096 * 4096) -> torch.Tensor:
-    """base64 PNG → uint8 ``[3, H, W]`` (RGB); ``ValueError`` naming the problem when it is not one."""
-    import numpy as np
-    from PIL import Image
-
-    if not isinstance(text, str):
-        raise ValueError(f"an image must be a base64 PNG string, got {type(text).__name__}")
-    try:
-        data = base64.b64decode(text, validate=True)
-    except ValueError as exc:
-        raise ValueError(f"an image is not valid base64 ({exc})") from exc
-    if not data.startswith(b"\x89PNG\r\n\x1a\n"):
-        raise ValueError("an image is not a PNG (send PNG, lossless; JPEG would change the pixels)")
-    try:
-        with Image.open(io.BytesIO(data)) as im:
-            if im.width * im.height > max_pixels:
-                raise ValueError(f"an image has {im.width}x{im.height} pixels, more than the limit {max_pixels}")
-            array = np.asarray(im.convert("RGB"))
-    except (OSError, SyntaxError) as exc:
-        raise ValueError(f"an image is a corrupt PNG ({exc})") from exc
-    return torch.from_numpy(array.copy()).permute(2, 0, 1).contiguous()
 
 
 def as_uint8(images: Any) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Tests for diffrl.advantages against hand-computed values: group advantages, zero-std filtering, DDPO's
+"""Tests for diffrl.algorithms.advantages against hand-computed values: group advantages, zero-std filtering, DDPO's
 per-prompt stat tracker and multi-reward aggregation."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import statistics
 import pytest
 import torch
 
-from diffrl.advantages import STD_MODES, PerPromptStatTracker, aggregate_rewards, group_advantages, group_std_keep_mask
+from diffrl.algorithms.advantages import STD_MODES, PerPromptStatTracker, aggregate_rewards, group_advantages, group_std_keep_mask
 
 # Three interleaved groups with non-contiguous, non-zero-based ids and different sizes:
 #   group 7  (idx 0, 2, 5): rewards 1, 2, 6   mean 3  centred -2, -1, 3   pop. std sqrt(14/3)

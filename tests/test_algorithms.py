@@ -10,13 +10,18 @@ import torch
 from safetensors.torch import load_file
 from tensordict import TensorDict
 
-from diffrl import adapters as lora
-from diffrl.algorithms import load_offline_pairs, online_pairs
-from diffrl.config import compose
-from diffrl.engine import DiffusionEngine, EngineSettings
-from diffrl.losses import make_step_loss, nft_reward_to_r
-from diffrl.objectives import DPOObjective, NFTObjective, old_decay
-from diffrl.rollout import SamplerSettings, sample_trajectories
+from diffrl.engine import lora
+from diffrl.algorithms.awm import AWMObjective
+from diffrl.algorithms.dpo import DPOObjective, online_pairs
+from diffrl.algorithms.nft import NFTObjective, old_decay
+from diffrl.data import read_preference_pairs
+from diffrl.distributed.workers import ActorRolloutRefWorker, WorkerConfig
+from diffrl.recipes import compose
+from diffrl.engine.engine import lr_factor
+from helpers import make_engine
+from diffrl.algorithms.losses import make_step_loss, nft_reward_to_r
+from diffrl.config import ModelConfig, OptimConfig, SamplerConfig
+from diffrl.sampling.rollout import sample_trajectories
 from diffrl.trainer import RunFolderError, Trainer
 from tests.conftest import randomise_lora
 
@@ -37,7 +42,7 @@ def test_old_decay_schedules():
 
 @pytest.mark.parametrize("lora_rank", [4, 0])
 def test_old_policy_ema_semantics_lora_and_full_finetuning(tiny_adapter, lora_rank):
-    engine = DiffusionEngine(tiny_adapter, EngineSettings(lora_rank=lora_rank), SamplerSettings(num_steps=2))
+    engine = make_engine(tiny_adapter, SamplerConfig(num_steps=2), lora_rank=lora_rank)
     engine.initialize()
     if lora_rank:
         randomise_lora(engine.module, seed=1)
@@ -70,7 +75,7 @@ def test_old_policy_ema_semantics_lora_and_full_finetuning(tiny_adapter, lora_ra
 
 
 def _trajectories(adapter, n: int = 8) -> TensorDict:
-    settings = SamplerSettings(num_steps=3, noise_level=0.8)
+    settings = SamplerConfig(num_steps=3, noise_level=0.8)
     prompts = [PROMPTS[i % 2] for i in range(n)]
     td = sample_trajectories(adapter, prompts, settings=settings, seeds=list(range(100, 100 + n)), group_id=torch.arange(n) % 2)
     rewards = torch.linspace(-1, 1, n)
@@ -83,7 +88,7 @@ def _accumulated_grads(objective, batch, micro_batch_size):
     from pipelines.digits import DigitsAdapter
 
     adapter = DigitsAdapter(path=None, seed=0)
-    engine = DiffusionEngine(adapter, EngineSettings(lora_rank=4, micro_batch_size=micro_batch_size), SamplerSettings(num_steps=3, noise_level=0.8))
+    engine = make_engine(adapter, SamplerConfig(num_steps=3, noise_level=0.8), lora_rank=4, micro_batch_size=micro_batch_size)
     engine.initialize()
     randomise_lora(engine.module, seed=3)
     engine.copy_to_old()
@@ -100,7 +105,7 @@ def _accumulated_grads(objective, batch, micro_batch_size):
     return captured, out
 
 
-@pytest.mark.parametrize("which", ["flow_grpo", "grpo_guard", "nft", "dpo"])
+@pytest.mark.parametrize("which", ["flow_grpo", "grpo_guard", "nft", "dpo", "awm"])
 def test_gradient_accumulation_invariance(tiny_adapter, which):
     """8 micro-batches of 1, accumulated, give the gradient of one batch of 8 (fp32 tolerance)."""
     batch = _trajectories(tiny_adapter)
@@ -108,12 +113,15 @@ def test_gradient_accumulation_invariance(tiny_adapter, which):
         objective = make_step_loss("flow_grpo", clip_range=0.2, kl_beta=0.05)
     elif which == "grpo_guard":
         batch = batch.exclude("log_probs")
-        td = sample_trajectories(tiny_adapter, [PROMPTS[i % 2] for i in range(8)], settings=SamplerSettings(num_steps=3, noise_level=0.8),
+        td = sample_trajectories(tiny_adapter, [PROMPTS[i % 2] for i in range(8)], settings=SamplerConfig(num_steps=3, noise_level=0.8),
                                  seeds=list(range(100, 108)), record_means=True)
         batch["log_probs"], batch["means"] = td["log_probs"], td["means"]
         objective = make_step_loss("grpo_guard", clip_range=0.2)
     elif which == "nft":
         objective = NFTObjective(nft_beta=0.7, adaptive_weight=True, kl_beta=0.1, num_timesteps=2)
+    elif which == "awm":
+        batch["advantages"] = torch.tensor([1.5, -0.5, 0.25, -2.0, 0.0, 0.75, -1.0, 3.0])
+        objective = AWMObjective(weighting="ghuber", ghuber_power=0.25, num_timesteps=2, adv_clip_max=5.0, kl_beta=0.1)
     else:
         pairs = online_pairs(batch, torch.tensor([0.1, 0.9, 0.5, 0.2, 0.7, 0.3, 0.3, 0.8]))
         batch = torch.cat([pairs, pairs])  # 4 pairs
@@ -129,7 +137,7 @@ def test_gradient_accumulation_invariance(tiny_adapter, which):
 
 
 def test_online_pairs_take_best_and_worst_and_skip_ties(tiny_adapter):
-    td = sample_trajectories(tiny_adapter, ["a red seven"] * 3 + ["a blue two"] * 3, settings=SamplerSettings(num_steps=2, step_kind="ode"), seeds=list(range(6)))
+    td = sample_trajectories(tiny_adapter, ["a red seven"] * 3 + ["a blue two"] * 3, settings=SamplerConfig(num_steps=2, kind="ode"), seeds=list(range(6)))
     pairs = online_pairs(td, torch.tensor([0.2, 0.9, 0.4, 0.5, 0.5, 0.5]))
     assert pairs.shape == (1,)  # the second group is all ties
     assert torch.equal(pairs["latents_w"][0], td["latents"][1, -1]) and torch.equal(pairs["latents_l"][0], td["latents"][0, -1])
@@ -147,13 +155,20 @@ def _write_pairs(tmp_path, rows):
     return path
 
 
+def _encode_pairs(path, adapter):
+    worker = ActorRolloutRefWorker(WorkerConfig(model=ModelConfig(path=None), sampler=SamplerConfig(num_steps=2)))
+    worker.init_model()
+    worker.adapter = adapter
+    return worker.encode_pairs(read_preference_pairs(path))
+
+
 def test_offline_pairs_file_loading_and_errors(tmp_path, tiny_adapter):
     path = _write_pairs(tmp_path, [
         {"prompt": "a red seven", "image_0": "img/0.png", "image_1": "img/255.png", "label_0": 1},
         {"prompt": "a blue two", "image_0": "img/0.png", "image_1": "img/128.png", "label_0": 0},
         {"prompt": "a blue two", "image_0": "img/0.png", "image_1": "img/128.png", "label_0": 0.5},
     ])
-    pairs = load_offline_pairs(path, tiny_adapter)
+    pairs = _encode_pairs(path, tiny_adapter)
     assert pairs.shape == (2,)  # the tie is skipped
     assert pairs["latents_w"][0, 0, 0, 0].item() == pytest.approx(-1.0)  # red channel 0 → latent −1
     assert pairs["latents_w"][1, 0, 0, 0].item() == pytest.approx(128 / 255 * 2 - 1, abs=1e-6)  # label 0: image_1 wins
@@ -161,10 +176,10 @@ def test_offline_pairs_file_loading_and_errors(tmp_path, tiny_adapter):
     torch.testing.assert_close(pairs["cond"]["prompt_embeds"][1], tiny_adapter.encode_prompts(["a blue two"])["prompt_embeds"][0])
     bad = _write_pairs(tmp_path, [{"prompt": "a red seven", "image_0": "img/0.png", "image_1": "img/missing.png", "label_0": 1}])
     with pytest.raises(FileNotFoundError, match="missing.png"):
-        load_offline_pairs(bad, tiny_adapter)
+        read_preference_pairs(bad)
     bad = _write_pairs(tmp_path, [{"prompt": "a red seven", "image_0": "img/0.png", "label_0": 1}])
     with pytest.raises(ValueError, match="image_1"):
-        load_offline_pairs(bad, tiny_adapter)
+        read_preference_pairs(bad)
 
 
 def _tiny_overrides(tmp_path, out, steps, *extra):
@@ -230,12 +245,10 @@ def test_stat_tracker_state_is_checkpointed(tmp_path):
 
 
 def test_lr_schedules():
-    from diffrl.engine import OptimConfig, lr_factor
-
-    cosine = OptimConfig(lr_schedule="cosine", warmup_steps=2, total_steps=12)
-    assert [round(lr_factor(s, cosine), 6) for s in (0, 1, 2, 7, 12)] == [0.5, 1.0, 1.0, 0.5, 0.0]
-    linear = OptimConfig(lr_schedule="linear", total_steps=10)
-    assert [lr_factor(s, linear) for s in (0, 5, 10)] == pytest.approx([1.0, 0.5, 0.0])
+    cosine = OptimConfig(lr_schedule="cosine", warmup_steps=2)
+    assert [round(lr_factor(s, cosine, 12), 6) for s in (0, 1, 2, 7, 12)] == [0.5, 1.0, 1.0, 0.5, 0.0]
+    linear = OptimConfig(lr_schedule="linear")
+    assert [lr_factor(s, linear, 10) for s in (0, 5, 10)] == pytest.approx([1.0, 0.5, 0.0])
     assert lr_factor(100, OptimConfig()) == 1.0
     with pytest.raises(ValueError, match="total number of optimizer steps"):
         lr_factor(0, OptimConfig(lr_schedule="cosine"))

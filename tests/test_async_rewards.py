@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from diffrl.config import compose
+from diffrl.recipes import compose
 from diffrl.trainer import Trainer, check_sizes
 from rewards.base import Reward, RewardError, register_reward
 
@@ -82,7 +82,7 @@ def test_chunked_async_scoring_equals_sequential_and_overlaps_sampling(tmp_path)
 def test_a_failing_chunk_raises_the_reward_error_and_trains_nothing(tmp_path):
     trainer = _trainer(tmp_path, "fail", "reward.async_chunks=4", "+reward.options.test_slow_brightness.delay=0.0",
                        "+reward.options.test_slow_brightness.fail_on_call=1")
-    engine = trainer.workers.worker.actor.engine
+    engine = trainer.workers.executor.worker.engine
     before = {k: v.clone() for k, v in engine.trainable_state().items()}
     CALLS.clear()
     with pytest.raises(RewardError, match=r"test_slow_brightness.*sample 0"):

@@ -11,11 +11,12 @@ import pytest
 import torch
 
 from diffrl.checkpoint import list_checkpoints, load_engine
-from diffrl.cli import main
-from diffrl.config import ConfigError, compose
-from diffrl.engine import DiffusionEngine, EngineSettings
+from diffrl.tools.cli import main
+from diffrl.recipes import ConfigError, compose
+from diffrl.engine.engine import DiffusionEngine
+from helpers import make_engine
 from diffrl.logging import read_jsonl
-from diffrl.rollout import SamplerSettings
+from diffrl.config import SamplerConfig
 from pipelines.digits import DigitsAdapter
 from rewards.base import Reward, RewardError, register_reward, score
 
@@ -42,7 +43,7 @@ def test_model_and_reward_options_reach_the_adapter_and_reward(capsys):
 
     cfg = compose(["model=sd3_tiny", "+model.options.decode_chunk=3", "+model.options.max_sequence_length=16",
                    "+reward.options.jpeg_compressibility.quality=50"])
-    kwargs = worker_config(cfg).model_kwargs
+    kwargs = worker_config(cfg).model.adapter_kwargs()
     assert kwargs["decode_chunk"] == 3 and kwargs["max_sequence_length"] == 16 and kwargs["path"] is None
     adapter = build_adapter("sd3", **kwargs)
     assert adapter.decode_chunk == 3 and adapter.max_sequence_length == 16
@@ -57,13 +58,13 @@ def test_lora_target_modules_from_config():
     from diffrl.trainer import worker_config
 
     cfg = compose(["model.lora.target_modules=[to_q,to_v]"])
-    settings = worker_config(cfg).engine
-    assert settings.lora_target_modules == ["to_q", "to_v"]
-    engine = DiffusionEngine(DigitsAdapter(path=None), settings, SamplerSettings(num_steps=2))
+    config = worker_config(cfg)
+    assert config.model.lora.target_modules == ["to_q", "to_v"]
+    engine = DiffusionEngine(DigitsAdapter(path=None), model=config.model, optim=config.optim, sampler=SamplerConfig(num_steps=2))
     engine.initialize()
     wrapped = {n.rsplit(".lora_A", 1)[0].rsplit(".", 1)[-1] for n, _ in engine.module.named_parameters() if ".lora_A." in n}
     assert wrapped == {"to_q", "to_v"}
-    assert worker_config(compose([])).engine.lora_target_modules is None  # the family's default
+    assert worker_config(compose([])).model.lora.target_modules is None  # the family's default
 
 
 def test_missing_asset_path_is_named(tmp_path, capsys):
@@ -114,7 +115,7 @@ def test_nan_reward_mid_run_keeps_what_was_written(tmp_path, capsys):
     assert [r["kind"] for r in records] == ["eval", "train"]  # everything finished before the failure is kept
     ckpts = list_checkpoints(out / "checkpoints")
     assert [p.name for p in ckpts] == ["step_000001"]
-    engine = DiffusionEngine(DigitsAdapter(path=str(Path(__file__).resolve().parents[1] / "assets" / "digits")), EngineSettings(), SamplerSettings(num_steps=4))
+    engine = make_engine(DigitsAdapter(path=str(Path(__file__).resolve().parents[1] / "assets" / "digits")), SamplerConfig(num_steps=4))
     state = load_engine(engine, ckpts[0])  # the checkpoint written before the failure is complete and loads
     assert state["global_step"] == 1
     assert not (out / "summary.json").exists()
@@ -125,7 +126,7 @@ def test_nan_reward_mid_run_keeps_what_was_written(tmp_path, capsys):
 
 
 def test_console_script_entry_point_runs():
-    """`python -m diffrl.cli` (what the `diffrl` script calls) reports a bad key and exits 2."""
-    proc = subprocess.run([sys.executable, "-m", "diffrl.cli", "train", "trainer.nope=1"], capture_output=True, text=True, timeout=120)
+    """`python -m diffrl.tools.cli` (what the `diffrl` script calls) reports a bad key and exits 2."""
+    proc = subprocess.run([sys.executable, "-m", "diffrl.tools.cli", "train", "trainer.nope=1"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "trainer.nope" in proc.stderr

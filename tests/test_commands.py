@@ -21,10 +21,11 @@ import torch
 from PIL import Image
 
 from diffrl.checkpoint import load_engine, save_engine
-from diffrl.cli import main
-from diffrl.engine import DiffusionEngine, EngineSettings
+from diffrl.tools.cli import main
+from helpers import make_engine
 from diffrl.logging import read_jsonl
-from diffrl.rollout import SamplerSettings, sample_trajectories
+from diffrl.config import SamplerConfig
+from diffrl.sampling.rollout import sample_trajectories
 from tests.conftest import randomise_lora
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -136,7 +137,7 @@ def test_sample_writes_grid_and_json_whose_rewards_match_direct_calls(run, tmp_p
 def _digits_engine(path: str, rank: int = 8, alpha: float = 16.0) -> DiffusionEngine:
     from pipelines.digits import DigitsAdapter
 
-    engine = DiffusionEngine(DigitsAdapter(path=path), EngineSettings(lora_rank=rank, lora_alpha=alpha), SamplerSettings(num_steps=3))
+    engine = make_engine(DigitsAdapter(path=path), SamplerConfig(num_steps=3), lora_rank=rank, lora_alpha=alpha)
     engine.initialize()
     return engine
 
@@ -188,7 +189,7 @@ def test_export_lora_digits_loads_into_sd3_pipeline_and_reproduces_samples(run, 
     torch.testing.assert_close(via_dict, ours, rtol=1e-5, atol=1e-5)
 
     # a full deterministic sample with CFG: diffusers' pipeline from diffrl's initial noise = diffrl's sample
-    settings = SamplerSettings(num_steps=3, step_kind="ode", noise_level=0.0, guidance_scale=2.0)
+    settings = SamplerConfig(num_steps=3, kind="ode", noise_level=0.0, guidance_scale=2.0)
     prompts = ["a red seven", "a cyan four"]
     td = sample_trajectories(trained.adapter, prompts, settings=settings, seeds=[5, 6])
     c = td["cond"]
@@ -207,7 +208,7 @@ def test_export_lora_sd15_loads_into_stable_diffusion_pipeline_and_reproduces_sa
     from diffusers import DDIMScheduler, StableDiffusionPipeline
     from omegaconf import OmegaConf
 
-    from diffrl.config import compose
+    from diffrl.recipes import compose
     from pipelines.sd15.adapter import SD15Adapter, build_tiny_components
 
     # an SD1.5 run folder: config.yaml + a checkpoint written by diffrl.checkpoint (LoRA r = 4, α = 12: scale 3);
@@ -215,8 +216,8 @@ def test_export_lora_sd15_loads_into_stable_diffusion_pipeline_and_reproduces_sa
     run = tmp_path / "sd15_run"
     run.mkdir()
     (run / "config.yaml").write_text(OmegaConf.to_yaml(compose(["model=sd15_tiny", "model.lora.rank=4"])))
-    settings = SamplerSettings(num_steps=3, step_kind="ddim", noise_level=0.0, guidance_scale=3.0, height=32, width=32)
-    engine = DiffusionEngine(SD15Adapter(path=None, seed=0), EngineSettings(lora_rank=4, lora_alpha=12.0), settings)
+    settings = SamplerConfig(num_steps=3, kind="ddim", noise_level=0.0, guidance_scale=3.0, height=32, width=32)
+    engine = make_engine(SD15Adapter(path=None, seed=0), settings, lora_rank=4, lora_alpha=12.0)
     engine.initialize()
     randomise_lora(engine.module, scale=0.05, seed=1)
     ckpt = save_engine(engine, run / "checkpoints", global_step=7)

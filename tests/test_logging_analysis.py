@@ -1,4 +1,4 @@
-"""Run logging (JSONL, grids, per-sample files, offline wandb) and ``diffrl.analysis`` reading runs back."""
+"""Run logging (JSONL, grids, per-sample files, offline wandb) and ``diffrl.tools.analysis`` reading runs back."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 from PIL import Image
 
-from diffrl.analysis import (
+from diffrl.tools.analysis import (
     compare, eval_metrics, eval_set, load_policy, load_run, plot_curves, plot_grids, plot_reward_histograms, read_wandb_offline, sample_eval,
 )
 from diffrl.logging import RunLogger, WandbInitError, per_sample_scores, read_jsonl, wandb_scalars
@@ -152,7 +152,7 @@ def _numbers(records):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    from diffrl.cli import main
+    from diffrl.tools.cli import main
 
     root = tmp_path_factory.mktemp("runs")
     (root / "prompts.txt").write_text("\n".join(PROMPTS) + "\n")
@@ -216,7 +216,7 @@ def test_plots_draw_the_numbers(runs):
 
 def test_load_policy_reproduces_the_last_evaluation(runs):
     """The checkpoint, loaded from the run folder, samples the evaluation seeds to the logged numbers."""
-    from diffrl.evaluation import evaluate
+    from diffrl.sampling.evaluation import evaluate
     from rewards.base import build_reward
 
     run = load_run(runs / "offline")

@@ -1,4 +1,4 @@
-"""Tests for diffrl.losses: Flow-GRPO's clipped objective, its metrics, the KL term and the registry."""
+"""Tests for diffrl.algorithms.losses: Flow-GRPO's clipped objective, its metrics, the KL term and the registry."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from diffrl.losses import LOSSES, flow_grpo_loss, gaussian_kl_same_std, get_loss, make_step_loss
+from diffrl.algorithms.losses import LOSSES, flow_grpo_loss, gaussian_kl_same_std, get_loss, make_step_loss
 
 
 pytestmark = pytest.mark.usefixtures("single_thread")

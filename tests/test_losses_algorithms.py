@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from diffrl.losses import LOSSES, dpo_loss, flow_grpo_loss, grpo_guard_loss, nft_loss, nft_reward_to_r
-from diffrl.sde import gaussian_log_prob
+from diffrl.algorithms.losses import LOSSES, dpo_loss, flow_grpo_loss, grpo_guard_loss, nft_loss, nft_reward_to_r
+from diffrl.sampling.sde import gaussian_log_prob
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

@@ -1,4 +1,4 @@
-"""``diffrl.evaluation.paired_change``: per-sample changes between two evaluations on the same seeds."""
+"""``diffrl.sampling.evaluation.paired_change``: per-sample changes between two evaluations on the same seeds."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from diffrl.evaluation import paired_change
+from diffrl.sampling.evaluation import paired_change
 
 
 def rows(values, prompts=("a", "a", "b", "b"), seeds=(1, 2, 1, 2)):

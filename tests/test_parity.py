@@ -4,22 +4,24 @@ from __future__ import annotations
 
 import torch
 
-from diffrl.advantages import group_advantages
-from diffrl.engine import DiffusionEngine, EngineSettings
-from diffrl.losses import make_step_loss
-from diffrl.rollout import SamplerSettings, sample_seed, sample_trajectories
+from diffrl.algorithms.advantages import group_advantages
+from helpers import make_engine
+from diffrl.algorithms.losses import make_step_loss
+from diffrl.config import SamplerConfig
+from diffrl.sampling.rollout import sample_trajectories
+from diffrl.sampling.seeding import Stream, derive
 from tests.conftest import randomise_lora
 
 PROMPTS = ["a red seven", "a blue two"]
 
 
 def _setup(tiny_adapter, guidance_scale=1.0, micro_batch_size=None):
-    settings = SamplerSettings(num_steps=4, step_kind="flow_sde", noise_level=0.7, guidance_scale=guidance_scale)
-    engine = DiffusionEngine(tiny_adapter, EngineSettings(lora_rank=4, micro_batch_size=micro_batch_size), settings)
+    settings = SamplerConfig(num_steps=4, kind="flow_sde", noise_level=0.7, guidance_scale=guidance_scale)
+    engine = make_engine(tiny_adapter, settings, lora_rank=4, micro_batch_size=micro_batch_size)
     engine.initialize()
     randomise_lora(engine.module)
     prompts = [p for p in PROMPTS for _ in range(4)]
-    seeds = [sample_seed(0, 0, i // 4, i % 4) for i in range(len(prompts))]
+    seeds = [derive(0, Stream.ROLLOUT, 0, i // 4, i % 4) for i in range(len(prompts))]
     td = sample_trajectories(tiny_adapter, prompts, settings=settings, seeds=seeds)
     return engine, td
 
@@ -55,13 +57,13 @@ def test_first_ratio_is_exactly_one_and_update_moves_the_policy(tiny_adapter):
 
 
 def test_reference_is_the_base_model(tiny_adapter):
-    settings = SamplerSettings(num_steps=4)
+    settings = SamplerConfig(num_steps=4)
     x = torch.randn(3, 3, 16, 16, generator=torch.Generator().manual_seed(0))
     sigma = torch.full((3,), 0.6)
     cond = tiny_adapter.encode_prompts(["a red seven", "a blue two", "a cyan one"])
     with torch.no_grad():
         base = tiny_adapter.predict(x, sigma, cond, 1.0)
-    engine = DiffusionEngine(tiny_adapter, EngineSettings(lora_rank=4), settings)
+    engine = make_engine(tiny_adapter, settings, lora_rank=4)
     engine.initialize()
     randomise_lora(engine.module)
     with torch.no_grad():

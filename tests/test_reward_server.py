@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from diffrl.cli import main
-from diffrl.reward_server import RewardServer, parse_reward_args
+from diffrl.tools.cli import main
+from diffrl.tools.reward_server import RewardServer, parse_reward_args
 from rewards.base import RewardError, build_reward, score, to_pil
 from rewards.remote import RemoteReward, encode_png
 
@@ -215,7 +215,7 @@ def test_killed_server_retries_then_fails_clearly(tmp_path):
     """``diffrl serve-reward`` in a subprocess; scored once; killed; the client retries twice and raises."""
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN + "\n")
-    proc = subprocess.Popen([sys.executable, "-m", "diffrl.cli", "serve-reward", "reward=jpeg_compressibility", "reward.options.quality=80",
+    proc = subprocess.Popen([sys.executable, "-m", "diffrl.tools.cli", "serve-reward", "reward=jpeg_compressibility", "reward.options.quality=80",
                              "--port", "0", "--token-file", str(token_file)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = _read_line(proc.stdout, 60)

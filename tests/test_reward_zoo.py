@@ -231,7 +231,7 @@ OCR_RUN = ["experiment=digits_flow_grpo", "model=sd15_tiny", "reward=ocr", "rewa
 
 
 def test_flow_grpo_trains_with_the_ocr_reward(tmp_path, monkeypatch, single_thread):
-    from diffrl.config import compose
+    from diffrl.recipes import compose
     from diffrl.logging import read_jsonl
     from diffrl.trainer import Trainer
 
@@ -267,7 +267,7 @@ def test_flow_grpo_trains_with_the_ocr_reward(tmp_path, monkeypatch, single_thre
 
 
 def test_ocr_run_names_a_prompt_without_quoted_text(tmp_path, single_thread):
-    from diffrl.config import compose
+    from diffrl.recipes import compose
     from diffrl.trainer import Trainer
 
     prompts = tmp_path / "prompts.txt"

@@ -16,8 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from diffrl.config import compose
-from diffrl.single_controller import arrange_for_data_parallel
+from diffrl.recipes import compose
+from diffrl.algorithms.base import arrange_for_data_parallel
 from diffrl.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -101,7 +101,7 @@ def _cli(tmp_path, out, steps, *extra):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("\n".join(PROMPTS) + "\n")
     return [
-        sys.executable, "-m", "diffrl.cli", "train", "experiment=digits_nft", "sampler.num_steps=3", "sampler.eval_num_steps=2",
+        sys.executable, "-m", "diffrl.tools.cli", "train", "experiment=digits_nft", "sampler.num_steps=3", "sampler.eval_num_steps=2",
         f"trainer.steps={steps}", "trainer.prompts_per_step=2", "trainer.group_size=2", "trainer.eval_seeds_per_prompt=1",
         "trainer.eval_every=100", "trainer.checkpoint_every=1", "trainer.threads=1", "algorithm.nft_num_timesteps=2",
         "algorithm.old_schedule=constant", "algorithm.old_decay_max=0.5", "algorithm.mini_batch_size=2",

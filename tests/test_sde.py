@@ -1,4 +1,4 @@
-"""Tests for diffrl.sde: step formulas against closed forms, marginal preservation, RNG contract."""
+"""Tests for diffrl.sampling.sde: step formulas against closed forms, marginal preservation, RNG contract."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from diffrl.sde import (
+from diffrl.sampling.sde import (
     STEP_KINDS,
     flow_sde_step,
     gaussian_log_prob,

@@ -7,9 +7,10 @@ import math
 import pytest
 import torch
 
-from diffrl.engine import DiffusionEngine, EngineSettings
-from diffrl.rollout import SamplerSettings, sample_trajectories
-from diffrl.sde import cps_step, dance_sde_step, get_step
+from helpers import make_engine
+from diffrl.config import SamplerConfig
+from diffrl.sampling.rollout import sample_trajectories
+from diffrl.sampling.sde import cps_step, dance_sde_step, get_step
 from tests.conftest import randomise_lora
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -88,8 +89,8 @@ def test_new_kinds_keep_rollout_training_parity(kind):
     from pipelines.digits import DigitsAdapter
 
     adapter = DigitsAdapter(path=None, seed=0)
-    settings = SamplerSettings(num_steps=3, step_kind=kind, noise_level=0.5)
-    engine = DiffusionEngine(adapter, EngineSettings(lora_rank=4), settings)
+    settings = SamplerConfig(num_steps=3, kind=kind, noise_level=0.5)
+    engine = make_engine(adapter, settings, lora_rank=4)
     engine.initialize()
     randomise_lora(engine.module)
     td = sample_trajectories(adapter, ["a red seven"] * 2 + ["a blue two"] * 2, settings=settings, seeds=[1, 2, 3, 4])

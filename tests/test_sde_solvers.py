@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from diffrl.losses import gaussian_kl_same_std
-from diffrl.sde import ddim_step, dpm2_step, flow_sde_step, is_deterministic, ode_step, run_step
+from diffrl.algorithms.losses import gaussian_kl_same_std
+from diffrl.sampling.sde import ddim_step, dpm2_step, flow_sde_step, is_deterministic, ode_step, run_step
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -110,7 +110,7 @@ def test_ddim_rejects_bad_arguments():
         ddim_step(x, x, 0.5, 0.4, noise_level=1.0, prediction_type="sample")
     with pytest.raises(ValueError, match="sigma_next < sigma"):
         ddim_step(x, x, 0.4, 0.5, noise_level=1.0)
-    with pytest.raises(ValueError, match="use sampler.step_kind=ddim"):
+    with pytest.raises(ValueError, match="use sampler.kind=ddim"):
         run_step("flow_sde", x, x, 0.5, 0.4, noise_level=0.7, prediction_type="epsilon")
 
 

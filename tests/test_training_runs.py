@@ -7,7 +7,7 @@ import json
 import pytest
 from safetensors.torch import load_file
 
-from diffrl.cli import main
+from diffrl.tools.cli import main
 from diffrl.logging import read_jsonl
 
 SHORT = ["trainer.steps=3", "trainer.prompts_per_step=2", "trainer.group_size=4", "trainer.eval_seeds_per_prompt=1",

@@ -7,11 +7,12 @@ import pytest
 import torch
 
 from diffrl import checkpoint
-from diffrl.config import compose
-from diffrl.engine import DiffusionEngine, EngineSettings
-from diffrl.rollout import SamplerSettings, sample_trajectories
-from diffrl.schedules import TrainingWindow
-from diffrl.sde import STEP_KINDS, ode_step
+from diffrl.recipes import compose
+from helpers import make_engine
+from diffrl.config import SamplerConfig
+from diffrl.sampling.rollout import sample_trajectories
+from diffrl.sampling.schedules import TrainingWindow
+from diffrl.sampling.sde import STEP_KINDS, ode_step
 from tests.conftest import randomise_lora
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -73,8 +74,8 @@ def test_mixgrpo_window_slides_stops_and_freezes():
 
 
 def test_mixgrpo_position_survives_a_checkpoint(tmp_path, tiny_adapter):
-    settings = SamplerSettings(num_steps=4)
-    engine = DiffusionEngine(tiny_adapter, EngineSettings(lora_rank=2), settings)
+    settings = SamplerConfig(num_steps=4)
+    engine = make_engine(tiny_adapter, settings, lora_rank=2)
     engine.initialize()
     run = TrainingWindow("mixgrpo", 10, size=2, shift=1, shift_every=2)
     for _ in range(5):
@@ -111,8 +112,8 @@ def test_windowed_rollout_shared_noise_ode_steps_and_parity():
     from pipelines.digits import DigitsAdapter
 
     adapter = DigitsAdapter(path=None, seed=0)
-    settings = SamplerSettings(num_steps=5, step_kind="flow_sde", noise_level=0.8)
-    engine = DiffusionEngine(adapter, EngineSettings(lora_rank=4), settings)
+    settings = SamplerConfig(num_steps=5, kind="flow_sde", noise_level=0.8)
+    engine = make_engine(adapter, settings, lora_rank=4)
     engine.initialize()
     randomise_lora(engine.module)
     stochastic = torch.tensor([False, True, True, True, False])
@@ -148,7 +149,7 @@ def test_dpm2_rollout_is_deterministic_and_closer_to_a_fine_euler_solve():
     prompts, seeds = ["a green four"] * 2, [3, 4]
 
     def final(kind: str, steps: int) -> torch.Tensor:
-        td = sample_trajectories(adapter, prompts, settings=SamplerSettings(num_steps=steps, step_kind=kind, shift=1.0), seeds=seeds)
+        td = sample_trajectories(adapter, prompts, settings=SamplerConfig(num_steps=steps, kind=kind, shift=1.0), seeds=seeds)
         assert (td["log_probs"] == 0).all() and not td["sde_mask"].any()
         return td["latents"][:, -1]
 
@@ -169,7 +170,7 @@ WINDOWS = [
 
 @pytest.mark.parametrize("overrides", [[f"sampler.kind={k}"] for k in sorted(STEP_KINDS) if k not in ("ode", "dpm2")] + WINDOWS)
 def test_every_kind_and_window_trains_from_the_command_line(overrides, tmp_path):
-    from diffrl.cli import main
+    from diffrl.tools.cli import main
 
     out = tmp_path / "run"
     args = ["train", *overrides, "sampler.num_steps=4", "sampler.eval_num_steps=2", "trainer.steps=2", "trainer.prompts_per_step=2",

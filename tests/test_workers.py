@@ -4,20 +4,19 @@ from __future__ import annotations
 
 import torch
 
-from diffrl import adapters as lora
-from diffrl.advantages import group_advantages
+from diffrl.engine import lora
+from diffrl.algorithms.advantages import group_advantages
 from diffrl.checkpoint import list_checkpoints
-from diffrl.engine import EngineSettings
-from diffrl.losses import make_step_loss
-from diffrl.rollout import SamplerSettings, sample_seed
-from diffrl.workers import ActorRolloutRefWorker, TrainingWorkerConfig
+from diffrl.algorithms.losses import make_step_loss
+from diffrl.config import LoraConfig, ModelConfig, SamplerConfig
+from diffrl.sampling.seeding import Stream, derive
+from diffrl.distributed.workers import ActorRolloutRefWorker, WorkerConfig
 from tensordict import NonTensorStack, TensorDict
 from tests.conftest import randomise_lora
 
 
 def _worker(num_steps=3):
-    cfg = TrainingWorkerConfig(model_family="digits", model_kwargs={"path": None}, engine=EngineSettings(lora_rank=4),
-                               sampler=SamplerSettings(num_steps=num_steps, noise_level=0.7))
+    cfg = WorkerConfig(model=ModelConfig(family="digits", path=None, lora=LoraConfig(rank=4)), sampler=SamplerConfig(num_steps=num_steps, noise_level=0.7))
     worker = ActorRolloutRefWorker(cfg, role="actor_rollout_ref")
     worker.init_model()
     worker.set_loss_fn(make_step_loss("flow_grpo", clip_range=0.2))
@@ -26,7 +25,7 @@ def _worker(num_steps=3):
 
 def _request(n_prompts=2, group=4):
     prompts = ["a red seven", "a green three", "a blue one"][:n_prompts]
-    td = TensorDict({"seeds": torch.tensor([sample_seed(0, 0, j, s) for j in range(n_prompts) for s in range(group)]),
+    td = TensorDict({"seeds": torch.tensor([derive(0, Stream.ROLLOUT, 0, j, s) for j in range(n_prompts) for s in range(group)]),
                      "group_id": torch.arange(n_prompts).repeat_interleave(group)}, batch_size=[n_prompts * group])
     td["prompts"] = NonTensorStack(*[p for p in prompts for _ in range(group)])
     return td
@@ -37,13 +36,13 @@ def test_train_mini_batch_counts_optimizer_steps_and_pops_flags():
     traj = worker.generate_sequences(_request())
     del traj["metrics"]
     traj["advantages"] = group_advantages(torch.arange(8.0), traj["group_id"])
-    traj.set_non_tensor("mini_batch_size", 4)
-    traj.set_non_tensor("epochs", 3)
-    traj.set_non_tensor("seed", 7)
+    traj.set_non_tensor("mini_batch_size", 2)
+    traj.set_non_tensor("update_seeds", [7, 8, 9, 10])
     out = worker.update_actor(traj).get_non_tensor("metrics")
-    assert len(out["loss"]) == 2 * 3  # 2 mini-batches × 3 epochs, one optimizer step each
+    assert len(out["loss"]) == 4  # 4 consecutive mini-batches, one optimizer step each
     assert out["ratio_mean"][0] == 1.0  # first mini-batch is on-policy
-    assert "mini_batch_size" not in traj.keys() and "epochs" not in traj.keys()
+    assert out["ratio_mean"][-1] != 1.0  # the last one follows three updates
+    assert "mini_batch_size" not in traj.keys() and "update_seeds" not in traj.keys()
     bad = traj.clone()
     bad.set_non_tensor("mini_batch_size", 3)
     try:
@@ -61,7 +60,7 @@ def test_infer_ref_equals_actor_before_training_and_differs_after():
     ref0 = worker.infer_ref_batch(traj.clone())["log_probs"]
     act0 = worker.infer_actor_batch(traj.clone())["log_probs"]
     torch.testing.assert_close(ref0, act0, rtol=0, atol=1e-4)  # LoRA B = 0 at init: actor == reference
-    randomise_lora(worker.actor.engine.module)
+    randomise_lora(worker.engine.module)
     act1 = worker.infer_actor_batch(traj.clone())["log_probs"]
     ref1 = worker.infer_ref_batch(traj.clone())["log_probs"]
     torch.testing.assert_close(ref1, ref0, rtol=0, atol=1e-6)  # reference ignores the adapter
@@ -70,7 +69,7 @@ def test_infer_ref_equals_actor_before_training_and_differs_after():
 
 def test_copy_and_ema_adapter_closed_form():
     worker = _worker()
-    module = worker.actor.engine.module
+    module = worker.engine.module
     randomise_lora(module, seed=1)
     worker.copy_adapter("default", "old")
     default = lora.adapter_parameters(module, "default")
@@ -109,20 +108,20 @@ def test_checkpoint_round_trip_is_atomic_and_exact(tmp_path):
         pass
     else:
         raise AssertionError("an existing checkpoint must not be overwritten")
-    saved = {n: p.clone() for n, p in worker.actor.engine.trainable_state().items()}
-    opt_state = worker.actor.engine.optimizer.state_dict()
+    saved = {n: p.clone() for n, p in worker.engine.trainable_state().items()}
+    opt_state = worker.engine.optimizer.state_dict()
 
     fresh = _worker()
     state = fresh.load_checkpoint(path)
-    assert state == {"global_step": 1, "lora": {"rank": fresh.actor.engine.settings.lora_rank, "alpha": fresh.actor.engine.settings.lora_alpha}, "note": "x"}
-    for n, p in fresh.actor.engine.trainable_state().items():
+    assert state == {"global_step": 1, "lora": {"rank": fresh.engine.model.lora.rank, "alpha": fresh.engine.model.lora.alpha}, "note": "x"}
+    for n, p in fresh.engine.trainable_state().items():
         assert torch.equal(p, saved[n])
-    fresh_opt = fresh.actor.engine.optimizer.state_dict()
+    fresh_opt = fresh.engine.optimizer.state_dict()
     for idx, st in opt_state["state"].items():
         for key, value in st.items():
             assert torch.equal(torch.as_tensor(fresh_opt["state"][idx][key]), torch.as_tensor(value))
     # the same next update from both
     worker.update_actor(traj.clone())
     fresh.update_actor(traj.clone())
-    for n, p in fresh.actor.engine.trainable_state().items():
-        assert torch.equal(p, worker.actor.engine.trainable_state()[n])
+    for n, p in fresh.engine.trainable_state().items():
+        assert torch.equal(p, worker.engine.trainable_state()[n])

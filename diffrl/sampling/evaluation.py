@@ -6,39 +6,44 @@ import dataclasses
 
 import torch
 
-from diffrl.rollout import SamplerSettings, sample_seed, sample_trajectories
+import json
+from pathlib import Path
+from typing import Callable
+
+from diffrl.config import SamplerConfig
+from diffrl.sampling.rollout import sample_trajectories
+from diffrl.sampling.seeding import Stream, derive
+from rewards.base import call_reward
 
 
 def eval_prompts_and_seeds(prompts: list[str], seeds_per_prompt: int, seed: int) -> tuple[list[str], list[int]]:
-    """Each prompt × ``seeds_per_prompt``; seeds from ``(seed, step=-1, prompt index, sample index)``,
-    disjoint from training seeds (training steps are ≥ 0)."""
+    """Each prompt × ``seeds_per_prompt``; seeds of stream ``EVAL`` from ``(prompt index, sample index)``,
+    disjoint from training seeds."""
     out_prompts, out_seeds = [], []
     for p_idx, prompt in enumerate(prompts):
         for s in range(seeds_per_prompt):
             out_prompts.append(prompt)
-            out_seeds.append(sample_seed(seed, -1, p_idx, s))
+            out_seeds.append(derive(seed, Stream.EVAL, p_idx, s))
     return out_prompts, out_seeds
 
 
-def deterministic_settings(settings: SamplerSettings, prediction_type: str, num_steps: int) -> SamplerSettings:
+def deterministic_settings(settings: SamplerConfig, prediction_type: str, num_steps: int) -> SamplerConfig:
     """``settings`` turned into the evaluation sampler: the Euler ODE for flow models, DDIM with η = 0 for
     epsilon models, ``num_steps`` steps (image size, shift, guidance and clipping kept).
 
-    With ``settings.eval_stochastic`` the evaluation keeps the rollout's stochastic step (``step_kind``,
+    With ``settings.eval_stochastic`` the evaluation keeps the rollout's stochastic step (``kind``,
     ``noise_level``) at every one of the ``num_steps`` steps: the policy that stochastic-step RL trains
     (DDPO reports the reward of its own η = 1 samples). The per-sample seeds still fix every draw, so
     repeated evaluations of the same weights give the same images."""
     if settings.eval_stochastic:
         return dataclasses.replace(settings, num_steps=num_steps)
     kind = "ode" if prediction_type == "flow" else "ddim"
-    return dataclasses.replace(settings, num_steps=num_steps, step_kind=kind, noise_level=0.0)
+    return dataclasses.replace(settings, num_steps=num_steps, kind=kind, noise_level=0.0)
 
 
 def score_images(images: torch.Tensor, prompts: list[str], metrics: dict) -> dict[str, float]:
     """``{"eval/<name>": mean}`` of every metric (``name -> callable``, reward protocol) on ``images``,
     each called as it declared (:func:`rewards.base.call_reward`: batch size, uint8 or PIL input, checks)."""
-    from diffrl.logging import per_sample_scores
-
     return {f"eval/{name}": float(values.mean()) for name, values in per_sample_scores(images, prompts, metrics).items()}
 
 
@@ -49,7 +54,7 @@ def evaluate(adapter, prompts: list[str], *, seeds: list[int], num_steps: int, g
     Returns:
         ``({"eval/<name>": mean}, images uint8 [N, 3, H, W])``.
     """
-    settings = deterministic_settings(SamplerSettings(num_steps=num_steps, guidance_scale=guidance_scale), getattr(adapter, "prediction_type", "flow"), num_steps)
+    settings = deterministic_settings(SamplerConfig(num_steps=num_steps, guidance_scale=guidance_scale), getattr(adapter, "prediction_type", "flow"), num_steps)
     td = sample_trajectories(adapter, prompts, settings=settings, seeds=seeds, micro_batch_size=micro_batch_size)
     images = td["images"]
     return score_images(images, prompts, metrics), images
@@ -108,9 +113,27 @@ def run_paired_change(run_dir, steps: int, metrics: list[str]) -> dict | None:
     (``images/eval_step_N.jsonl``), as ``{"steps": [0, steps], <metric>: {…}}``; None when either is missing."""
     from pathlib import Path
 
-    from diffrl.logging import read_jsonl
-
     files = [Path(run_dir) / "images" / f"eval_step_{s:06d}.jsonl" for s in (0, steps)]
     if steps <= 0 or not all(f.is_file() for f in files):
         return None
     return {"steps": [0, steps], **paired_change(*(read_jsonl(f) for f in files), metrics)}
+
+
+def per_sample_scores(images: torch.Tensor, prompts: list[str], metrics: dict[str, Callable]) -> dict[str, torch.Tensor]:
+    """``{name: float [B]}``: each eval metric (reward protocol) on every image.
+
+    The value of metric ``name`` is its output under ``name`` (else its first output), the same choice as
+    :func:`diffrl.sampling.evaluation.score_images`, whose means are ``scores[name].mean()``.
+    """
+    return {name: main_score(name, call_reward(name, fn, images, prompts, None)) for name, fn in metrics.items()}
+
+
+def main_score(name: str, result: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The value of eval metric ``name`` in its reward's output: ``result[name]``, else the first output
+    (float, CPU)."""
+    return result.get(name, next(iter(result.values()))).detach().float().cpu()
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    """The records of a JSON-lines file (``metrics.jsonl``, ``images/eval_step_<N>.jsonl``)."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]

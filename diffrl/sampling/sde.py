@@ -1,4 +1,4 @@
-"""Stateless sampler steps under one contract (DESIGN.md, "SDE step contract").
+"""Stateless sampler steps under one contract (docs/architecture.md, "SDE step contract").
 
 Every step kind is a pure function
 
@@ -390,7 +390,7 @@ def run_step(
     if kind in FLOW_ONLY_KINDS and prediction_type != "flow":
         raise ValueError(
             f"step kind {kind!r} needs a flow-matching (velocity) model, this model predicts {prediction_type!r}; "
-            "use sampler.step_kind=ddim"
+            "use sampler.kind=ddim"
         )
     extra = {}
     if kind == "ddim":

@@ -1,7 +1,7 @@
 """Training and inference of the policy on one rank: micro-batches, gradient accumulation, optimizer.
 
 The engine owns the model adapter (its ``denoiser`` carries the LoRA adapters) and the optimizer.
-Both paths call the adapter's ``predict()`` and the sampler step of ``diffrl.sde`` with the recorded
+Both paths call the adapter's ``predict()`` and the sampler step of ``diffrl.sampling.sde`` with the recorded
 ``prev_sample``, exactly as the rollout did, so recomputed log-probs equal the rollout's at equal batch
 composition.
 
@@ -14,86 +14,31 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 from collections import defaultdict
-from dataclasses import dataclass, field
 
 import torch
 from tensordict import TensorDict
 
-from diffrl import adapters as lora
-from diffrl import parallel
-from diffrl.rollout import SamplerSettings
-from diffrl.sde import is_deterministic, run_step
+from diffrl.engine import lora
+from diffrl.engine import parallel
+from diffrl.config import ModelConfig, OptimConfig, SamplerConfig
+from diffrl.sampling.sde import is_deterministic, run_step
 
 
-@dataclass(kw_only=True)
-class OptimConfig:
-    """AdamW settings."""
-
-    lr: float = 1e-3
-    """learning rate"""
-    weight_decay: float = 0.0
-    """AdamW weight decay"""
-    betas: tuple[float, float] = (0.9, 0.999)
-    """AdamW betas"""
-    eps: float = 1e-8
-    """AdamW epsilon"""
-    max_grad_norm: float = 1.0
-    """gradient clipping norm (≤ 0 disables clipping)"""
-    lr_schedule: str = "constant"
-    """constant | linear | cosine (decay to 0 over total_steps optimizer steps, after the warm-up)"""
-    warmup_steps: int = 0
-    """optimizer steps of linear warm-up from 0"""
-    total_steps: int | None = None
-    """optimizer steps of the whole run (needed by linear and cosine)"""
-
-
-def lr_factor(step: int, o: OptimConfig) -> float:
-    """Multiplier of the base learning rate at optimizer step ``step`` (0-based)."""
-    import math
-
+def lr_factor(step: int, o: OptimConfig, total_steps: int | None = None) -> float:
+    """Multiplier of the base learning rate at optimizer step ``step`` (0-based): linear warm-up over
+    ``o.warmup_steps``, then ``o.lr_schedule`` (constant, or linear / cosine decay to 0 at ``total_steps``)."""
     if o.warmup_steps and step < o.warmup_steps:
         return (step + 1) / o.warmup_steps
     if o.lr_schedule == "constant":
         return 1.0
     if o.lr_schedule not in ("linear", "cosine"):
         raise ValueError(f"unknown lr schedule {o.lr_schedule!r}; choose constant, linear or cosine")
-    if not o.total_steps:
+    if not total_steps:
         raise ValueError(f"lr schedule {o.lr_schedule!r} needs the total number of optimizer steps")
-    progress = min(1.0, (step - o.warmup_steps) / max(1, o.total_steps - o.warmup_steps))
+    progress = min(1.0, (step - o.warmup_steps) / max(1, total_steps - o.warmup_steps))
     return 1.0 - progress if o.lr_schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-@dataclass(kw_only=True)
-class EngineSettings:
-    """What the engine trains and how."""
-
-    lora_rank: int = 8
-    """LoRA rank; 0 trains every parameter of the denoiser (full fine-tuning)"""
-    lora_alpha: float = 16.0
-    """LoRA alpha"""
-    lora_dropout: float = 0.0
-    """LoRA dropout (keep 0 for exact on-policy log-prob parity)"""
-    lora_target_modules: list[str] | None = None
-    """peft target_modules (None: the adapter's ``lora_target_modules``)"""
-    init_seed: int = 0
-    """seed of the LoRA initialisation (independent of the global RNG, so runs reproduce)"""
-    micro_batch_size: int | None = None
-    """trajectories per forward/backward (None: the whole mini-batch)"""
-    fsdp: bool = True
-    """shard the denoiser with FSDP2 when torch.distributed runs with more than one rank"""
-    param_offload: bool = False
-    """FSDP2: keep sharded parameters (and optimizer state) on the CPU"""
-    activation_checkpointing: bool = False
-    """recompute block activations in the backward pass (the model's gradient checkpointing)"""
-    old_policy: bool = False
-    """create the ``old`` policy (a copy of the trained one) at initialisation, before any sharding"""
-    compile: bool = False
-    """``torch.compile`` the denoiser in place (``module.compile()``) once LoRA, gradient checkpointing and FSDP2
-    are applied: rollout and training then run the same compiled module, and state-dict keys do not change"""
-    compile_backend: str = "inductor"
-    """torch.compile backend of ``compile`` (``inductor`` on GPU; ``aot_eager`` for CPU tests)"""
-    optim: OptimConfig = field(default_factory=OptimConfig)
 
 
 def compile_denoiser(module: torch.nn.Module, *, backend: str = "inductor") -> None:
@@ -127,14 +72,25 @@ class DiffusionEngine:
 
     Args:
         adapter: a ``pipelines.base.ModelAdapter``.
-        settings: LoRA, micro-batch and optimizer settings.
-        sampler: the sampler settings the trajectories were drawn with (step kind, noise level, CFG).
+        model: LoRA, FSDP2, activation checkpointing and compile settings (``model.*``).
+        optim: the optimizer and its schedule (``algorithm.lr`` …).
+        sampler: the sampler the trajectories were drawn with (step kind, noise level, CFG).
+        micro_batch_size: trajectories per forward/backward (None: the whole mini-batch).
+        seed: seed of the LoRA initialisation (independent of the global RNG, so runs reproduce).
+        old_policy: create the ``old`` policy (a copy of the trained one) at initialisation, before sharding.
+        total_steps: optimizer steps of the whole run (linear and cosine schedules need it).
     """
 
-    def __init__(self, adapter, settings: EngineSettings, sampler: SamplerSettings):
+    def __init__(self, adapter, *, model: ModelConfig, optim: OptimConfig, sampler: SamplerConfig, micro_batch_size: int | None = None,
+                 seed: int = 0, old_policy: bool = False, total_steps: int | None = None):
         self.adapter = adapter
-        self.settings = settings
+        self.model = model
+        self.optim = optim
         self.sampler = sampler
+        self.micro_batch_size = micro_batch_size
+        self.seed = seed
+        self.old_policy_at_start = old_policy
+        self.total_steps = total_steps
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
         self._reference_copy = None
@@ -149,7 +105,7 @@ class DiffusionEngine:
 
     @property
     def uses_lora(self) -> bool:
-        return self.settings.lora_rank > 0
+        return self.model.lora.rank > 0
 
     def initialize(self) -> None:
         """Attach LoRA (or unfreeze everything) and build the optimizer; idempotent."""
@@ -159,10 +115,10 @@ class DiffusionEngine:
         module.requires_grad_(False)
         if self.uses_lora:
             with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(self.settings.init_seed)
+                torch.manual_seed(self.seed)
+                lo = self.model.lora
                 lora.attach_lora(
-                    module, rank=self.settings.lora_rank, alpha=self.settings.lora_alpha, dropout=self.settings.lora_dropout,
-                    target_modules=self.settings.lora_target_modules or self.adapter.lora_target_modules,
+                    module, rank=lo.rank, alpha=lo.alpha, dropout=lo.dropout, target_modules=list(lo.target_modules or self.adapter.lora_target_modules),
                 )
             for p in lora.adapter_parameters(module, "default").values():
                 p.requires_grad_(True)
@@ -171,22 +127,22 @@ class DiffusionEngine:
             self._reference_copy = copy.copy(self.adapter)
             self._reference_copy.denoiser = copy.deepcopy(module).requires_grad_(False)
             module.requires_grad_(True)
-        if self.settings.activation_checkpointing:
+        if self.model.activation_checkpointing:
             if not hasattr(module, "enable_gradient_checkpointing"):
                 raise ValueError(f"{type(module).__name__} has no gradient checkpointing; set activation_checkpointing=false")
             module.enable_gradient_checkpointing()
         self.initialized = True  # copy_to_old below must not re-enter
-        if self.settings.old_policy:
+        if self.old_policy_at_start:
             self.copy_to_old()
-        if self.settings.fsdp and parallel.world_size() > 1:
-            parallel.apply_fsdp(module, self.adapter.fsdp_blocks(), param_offload=self.settings.param_offload)
+        if self.model.fsdp and parallel.world_size() > 1:
+            parallel.apply_fsdp(module, self.adapter.fsdp_blocks(), param_offload=self.model.param_offload)
             self.sharded = True
-        if self.settings.compile:
-            compile_denoiser(module, backend=self.settings.compile_backend)
-        o = self.settings.optim
+        if self.model.compile:
+            compile_denoiser(module, backend=self.model.compile_backend)
+        o, total = self.optim, self.total_steps
         self.optimizer = torch.optim.AdamW(self.trainable_parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
-        lr_factor(0, o)  # validate the schedule before any work
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_factor(step, o))
+        lr_factor(0, o, total)  # validate the schedule before any work
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_factor(step, o, total))
         self.initialized = True
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
@@ -278,15 +234,15 @@ class DiffusionEngine:
         sigma_next = batch["sigmas"][:, k + 1].to(device)
         out = adapter.predict(x, sigma, batch["cond"].to(device), self.sampler.guidance_scale)
         return run_step(
-            self.sampler.step_kind, out, x, sigma, sigma_next, noise_level=self.sampler.noise_level,
+            self.sampler.kind, out, x, sigma, sigma_next, noise_level=self.sampler.noise_level,
             prediction_type=getattr(self.adapter, "prediction_type", "flow"), prev_sample=x_next, clip_sample=self.sampler.clip_sample,
         )
 
     def _trained_steps(self, batch: TensorDict) -> list[int]:
         mask = batch["sde_mask"]
-        if is_deterministic(self.sampler.step_kind, self.sampler.noise_level):
+        if is_deterministic(self.sampler.kind, self.sampler.noise_level):
             raise ValueError(
-                f"step kind {self.sampler.step_kind!r} (noise_level {self.sampler.noise_level}) is deterministic: "
+                f"step kind {self.sampler.kind!r} (noise_level {self.sampler.noise_level}) is deterministic: "
                 "it has no log-prob to train on; use a stochastic kind (flow_sde, dance_sde, cps, ddim with η > 0)"
             )
         if not bool((mask == mask[:1]).all()):
@@ -294,7 +250,7 @@ class DiffusionEngine:
         return [k for k in range(mask.shape[1]) if bool(mask[0, k])]
 
     def _micro_batches(self, batch: TensorDict) -> list[TensorDict]:
-        size = self.settings.micro_batch_size or batch.shape[0]
+        size = self.micro_batch_size or batch.shape[0]
         return [batch[i : i + size] for i in range(0, batch.shape[0], size)]
 
     # -- train / infer ----------------------------------------------------------------------------
@@ -340,7 +296,7 @@ class DiffusionEngine:
 
     def _optimizer_step(self) -> float:
         params = self.trainable_parameters()
-        max_norm = self.settings.optim.max_grad_norm
+        max_norm = self.optim.max_grad_norm
         if max_norm > 0:
             grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         else:

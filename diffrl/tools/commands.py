@@ -15,9 +15,9 @@ overrides together (argparse) and not right after ``--prompts``/``--seeds``, whi
   deterministic evaluation sampler (``--stochastic``: the rollout SDE); writes ``grid.png`` (one row per
   prompt), ``images/NNNN.png`` and ``samples.json`` with every image's rewards, per-prompt and overall means.
 * ``eval``: the trainer's evaluation (``Trainer.evaluate``): prompts × ``trainer.eval_seeds_per_prompt``
-  held-out seeds (``diffrl.evaluation.eval_prompts_and_seeds``), the ODE / DDIM(η = 0) sampler with
+  held-out seeds (``diffrl.sampling.evaluation.eval_prompts_and_seeds``), the ODE / DDIM(η = 0) sampler with
   ``sampler.eval_num_steps`` steps, ``reward.names`` + ``reward.gold`` averaged by
-  ``diffrl.evaluation.score_images``; writes ``eval.json`` (metrics, per prompt, per image) and ``eval_grid.png``.
+  ``diffrl.sampling.evaluation.score_images``; writes ``eval.json`` (metrics, per prompt, per image) and ``eval_grid.png``.
   For the base model at a recipe's settings the metrics equal the ``eval/…`` numbers the trainer logs at step 0.
 * ``export-lora``: the checkpoint's ``default`` LoRA adapter as diffusers' ``pytorch_lora_weights.safetensors``
   (peft keys prefixed by the family's component, ``transformer.`` for SD3-type families, ``unet.`` for SD1.5),
@@ -33,6 +33,21 @@ import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from diffrl.checkpoint import list_checkpoints
+from diffrl.recipes import ConfigError
+from diffrl.recipes import Config, ConfigError, compose
+from diffrl.distributed import build_worker_group
+from diffrl.distributed.workers import ActorRolloutRefWorker
+from diffrl.trainer import worker_config
+from rewards.base import build_reward
+from diffrl.logging import main_score
+from rewards.base import call_reward
+from diffrl.data import read_prompt_file
+from diffrl.trainer import RunFolderError
+from diffrl.logging import save_gif, save_grid
+from diffrl.sampling.evaluation import eval_prompts_and_seeds
+from diffrl.logging import save_grid
+from diffrl.checkpoint import write_json_atomic
 
 # family -> (diffusers pipeline class whose LoRA loader reads the file, component name = key prefix)
 LORA_FORMATS = {
@@ -111,7 +126,6 @@ def check_checkpoint(path: str | Path) -> Path:
 
 def newest_checkpoint(run: str | Path) -> Path:
     """The newest complete ``checkpoints/step_N`` of a run folder."""
-    from diffrl.checkpoint import list_checkpoints
 
     run = Path(run)
     if not run.is_dir():
@@ -130,7 +144,6 @@ def apply_overrides(cfg, overrides: list[str], source: Path):
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    from diffrl.config import ConfigError
 
     for item in overrides:
         key, eq, _ = item.partition("=")
@@ -157,7 +170,6 @@ def load_config(overrides: list[str], run_config: Path | None):
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    from diffrl.config import Config, ConfigError, compose
 
     if run_config is None:
         return compose(overrides)
@@ -205,13 +217,11 @@ def build_workers(source: ModelSource):
     """One local ``ActorRolloutRefWorker`` group built like the trainer's, with the checkpoint loaded."""
     import torch
 
-    from diffrl.single_controller import build_worker_group
-    from diffrl.trainer import worker_config
 
     cfg = source.cfg
     if cfg.trainer.threads:
         torch.set_num_threads(int(cfg.trainer.threads))
-    workers = build_worker_group(worker_config(cfg), backend="local", num_workers=1)
+    workers = build_worker_group(ActorRolloutRefWorker, worker_config(cfg), backend="local", num_workers=1)
     workers.init_model()
     if source.checkpoint is not None:
         try:
@@ -229,7 +239,6 @@ def build_metrics(cfg, names: list[str] | None = None) -> dict:
     """``name -> reward`` exactly as the trainer's ``eval_metrics``: ``reward.names`` then ``reward.gold``."""
     from omegaconf import OmegaConf
 
-    from rewards.base import build_reward
 
     options = OmegaConf.to_container(cfg.reward.options, resolve=True)
     if names is None:
@@ -240,9 +249,7 @@ def build_metrics(cfg, names: list[str] | None = None) -> dict:
 def score_per_image(images, prompts: list[str], metrics: dict) -> tuple[dict[str, list[float]], dict[str, float]]:
     """Each metric called once, as the trainer's evaluation calls it (``rewards.base.call_reward``: chunks,
     input kind, video frames, checks): ``({output key: per-image values}, {"eval/<name>": mean})``, the means
-    reduced like ``diffrl.evaluation.score_images`` (:func:`diffrl.logging.main_score`)."""
-    from diffrl.logging import main_score
-    from rewards.base import call_reward
+    reduced like ``diffrl.sampling.evaluation.score_images`` (:func:`diffrl.logging.main_score`)."""
 
     per_image, means = {}, {}
     for name, fn in metrics.items():
@@ -262,7 +269,6 @@ def group_by_prompt(prompts: list[str], per_image: dict[str, list[float]]) -> di
 
 
 def read_prompts(args, required: bool) -> list[str] | None:
-    from diffrl.trainer import read_prompt_file
 
     if args.prompts and args.prompt_file:
         raise ValueError("give either --prompts or --prompt-file, not both")
@@ -277,7 +283,6 @@ def read_prompts(args, required: bool) -> list[str] | None:
 
 def prepare_out(folder: str | Path, names: list[str], overwrite: bool) -> Path:
     """``folder`` after checking that none of ``names`` exists in it (checked before any work; created on writing)."""
-    from diffrl.trainer import RunFolderError
 
     folder = Path(folder)
     taken = [n for n in names if (folder / n).exists()]
@@ -310,7 +315,6 @@ def _request(prompts: list[str], seeds: list[int], cfg, eval_num_steps: int | No
 
 # -- sample ---------------------------------------------------------------------------------------------
 def run_sample(args) -> int:
-    from diffrl.logging import save_gif, save_grid
 
     prompts = read_prompts(args, required=True)
     out = prepare_out(args.out, ["samples.json", "grid.png", "images"], args.overwrite)
@@ -347,9 +351,6 @@ def run_sample(args) -> int:
 def run_eval(args) -> int:
     import time
 
-    from diffrl.evaluation import eval_prompts_and_seeds
-    from diffrl.logging import save_grid
-    from diffrl.trainer import read_prompt_file
 
     out = prepare_out(args.out, ["eval.json", "eval_grid.png"], args.overwrite)
     source = resolve_source(args)
@@ -379,7 +380,6 @@ def run_eval(args) -> int:
 
 
 def _write_json(path: Path, obj) -> None:
-    from diffrl.checkpoint import write_json_atomic
 
     write_json_atomic(path, obj)
 

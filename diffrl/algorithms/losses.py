@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from diffrl.advantages import STD_MODES, group_advantages
+from diffrl.algorithms.advantages import STD_MODES, group_advantages
 
 LOSSES: dict[str, Callable] = {}
 

@@ -25,6 +25,11 @@ import time
 from collections import defaultdict
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable
+from rewards.base import call_reward
+from rewards.base import reward_spec
+from rewards.base import decode_png
+from rewards.base import build_reward
+from rewards.base import TOKEN_ENV
 
 DEFAULT_PORT = 8765
 
@@ -90,7 +95,6 @@ class _Batcher:
                 return
 
     def _call(self, images, prompts, metadata) -> dict:
-        from rewards.base import call_reward
 
         with self.lock:
             self.stats["reward_calls"] += 1
@@ -138,7 +142,6 @@ class RewardServer:
     def __init__(self, reward: Callable, *, name: str | None = None, host: str = "127.0.0.1", port: int = DEFAULT_PORT,
                  token: str | None, max_request_bytes: int = 64 << 20, max_images: int = 1024, max_batch: int = 256,
                  batch_wait_s: float = 0.005, log_requests: bool = False):
-        from rewards.base import reward_spec
 
         if token is not None and not token:
             raise ValueError("RewardServer: token is empty; give a non-empty token, or None to serve without authentication")
@@ -187,7 +190,6 @@ class RewardServer:
 
     def score_body(self, body: Any) -> tuple[int, dict]:
         """Validate a decoded JSON body and score it: ``(status, answer)``."""
-        from rewards.remote import decode_png
 
         if not isinstance(body, dict):
             return 400, {"error": f"the body must be a JSON object, got {type(body).__name__}"}
@@ -332,8 +334,6 @@ def parse_reward_args(items: list[str]) -> tuple[str, dict]:
 
 
 def _serve(args) -> int:
-    from rewards.base import build_reward
-    from rewards.remote import TOKEN_ENV
 
     name, options = parse_reward_args(args.overrides)
     if args.token_file:

@@ -8,8 +8,8 @@ import socket
 
 import torch
 
-from diffrl.single_controller.base import WorkerGroup
-from diffrl.workers import ActorRolloutRefWorker
+from diffrl.distributed.controller import Executor
+from diffrl.engine import parallel
 
 
 def _free_port() -> int:
@@ -19,15 +19,13 @@ def _free_port() -> int:
 
 
 class RankWorker:
-    """The Ray actor body: a process-group member holding one ActorRolloutRefWorker."""
+    """The Ray actor body: a process-group member holding one worker of ``worker_cls``."""
 
-    def __init__(self, config, role: str, rank: int, world_size: int, master_addr: str, master_port: int, threads: int | None, backend: str | None):
-        from diffrl import parallel
-
+    def __init__(self, worker_cls: type, config, role: str, rank: int, world_size: int, master_addr: str, master_port: int, threads: int | None, backend: str | None):
         if threads:
             torch.set_num_threads(threads)
         self.backend = parallel.init_distributed(rank, world_size, master_addr, master_port, backend)
-        self.worker = ActorRolloutRefWorker(config, role=role)
+        self.worker = worker_cls(config, role=role)
 
     def execute(self, method: str, args: tuple, kwargs: dict):
         return getattr(self.worker, method)(*args, **kwargs)
@@ -36,11 +34,12 @@ class RankWorker:
         return self.backend
 
 
-class RayWorkerGroup(WorkerGroup):
+class RayExecutor(Executor):
     """``num_workers`` Ray actors, ranks 0…N−1 of one process group.
 
     Args:
-        config: the ``TrainingWorkerConfig`` every rank builds its worker from.
+        worker_cls: the worker class every rank instantiates.
+        config: the ``WorkerConfig`` every rank builds its worker from.
         num_workers: ranks (one GPU each when ``num_gpus_per_worker`` > 0).
         num_cpus_per_worker, num_gpus_per_worker: Ray resources of each actor.
         threads: torch CPU threads of each actor.
@@ -48,9 +47,7 @@ class RayWorkerGroup(WorkerGroup):
         ray_init: keyword arguments of ``ray.init`` when Ray is not running yet.
     """
 
-    worker_cls = ActorRolloutRefWorker
-
-    def __init__(self, config, *, num_workers: int, role: str = "actor_rollout_ref", num_cpus_per_worker: float = 1, num_gpus_per_worker: float = 0,
+    def __init__(self, worker_cls: type, config, *, num_workers: int, role: str = "actor_rollout_ref", num_cpus_per_worker: float = 1, num_gpus_per_worker: float = 0,
                  threads: int | None = None, backend: str | None = None, ray_init: dict | None = None):
         import ray
 
@@ -63,10 +60,10 @@ class RayWorkerGroup(WorkerGroup):
         self.world_size = num_workers
         port = _free_port()
         actor = ray.remote(num_cpus=num_cpus_per_worker, num_gpus=num_gpus_per_worker)(RankWorker)
-        self.actors = [actor.remote(config, role, r, num_workers, "127.0.0.1", port, threads, backend) for r in range(num_workers)]
+        self.actors = [actor.remote(worker_cls, config, role, r, num_workers, "127.0.0.1", port, threads, backend) for r in range(num_workers)]
         ray.get([a.ready.remote() for a in self.actors])
 
-    def _call_all(self, method: str, args_per_rank: list[tuple], kwargs: dict) -> list:
+    def call_all(self, method: str, args_per_rank: list[tuple], kwargs: dict) -> list:
         import ray
 
         return ray.get([a.execute.remote(method, args, kwargs) for a, args in zip(self.actors, args_per_rank)])

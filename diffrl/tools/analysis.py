@@ -25,6 +25,15 @@ from typing import Iterable, Sequence
 import pandas as pd
 
 from diffrl import wandb_file
+from diffrl.checkpoint import list_checkpoints
+from diffrl.sampling.evaluation import eval_prompts_and_seeds
+from diffrl.data import read_prompt_file
+from pipelines import build_adapter
+from rewards.base import build_reward
+from diffrl.sampling.evaluation import deterministic_settings
+from diffrl.sampling.rollout import sample_trajectories
+from diffrl.trainer import worker_config
+from diffrl.distributed.workers import TrainingWorker
 
 _EVAL_FILE = re.compile(r"eval_step_(\d+)\.(png|jsonl)$")
 _STEP_DIR = re.compile(r"step_(\d+)$")
@@ -85,7 +94,6 @@ class Run:
 
     def checkpoints(self) -> dict[int, Path]:
         """``{step: folder}`` of the complete checkpoints."""
-        from diffrl.checkpoint import list_checkpoints
 
         return {int(_STEP_DIR.search(p.name).group(1)): p for p in list_checkpoints(self.path / "checkpoints")}
 
@@ -237,8 +245,6 @@ def eval_set(run: Run | str | Path, adapter=None) -> tuple[list[str], list[int]]
 
     Without a prompt file the prompts are the model family's built-in set (from ``adapter``, else a
     freshly built one)."""
-    from diffrl.evaluation import eval_prompts_and_seeds
-    from diffrl.trainer import read_prompt_file
 
     (run,) = _as_runs(run)
     t = run.config["trainer"]
@@ -246,7 +252,6 @@ def eval_set(run: Run | str | Path, adapter=None) -> tuple[list[str], list[int]]
         prompts = read_prompt_file(t["prompts"])
     else:
         if adapter is None:
-            from pipelines import build_adapter
 
             m = run.config["model"]
             adapter = build_adapter(m["family"], path=m["path"], dtype=m["dtype"], device=m["device"])
@@ -256,7 +261,6 @@ def eval_set(run: Run | str | Path, adapter=None) -> tuple[list[str], list[int]]
 
 def eval_metrics(run: Run | str | Path) -> dict:
     """``{name: reward}``: the run's rewards and gold metric, built from its config (as the trainer does)."""
-    from rewards.base import build_reward
 
     (run,) = _as_runs(run)
     r = run.config["reward"]
@@ -275,9 +279,6 @@ def sample_eval(run: Run | str | Path, adapter, prompts: list[str] | None = None
     """
     from omegaconf import OmegaConf
 
-    from diffrl.evaluation import deterministic_settings
-    from diffrl.rollout import sample_trajectories
-    from diffrl.trainer import worker_config
 
     (run,) = _as_runs(run)
     cfg = OmegaConf.create(run.config)
@@ -298,8 +299,6 @@ def load_policy(run: Run | str | Path, step: int | None = None):
     """
     from omegaconf import OmegaConf
 
-    from diffrl.trainer import worker_config
-    from diffrl.workers import TrainingWorker
 
     (run,) = _as_runs(run)
     found = run.checkpoints()

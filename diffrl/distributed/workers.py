@@ -1,8 +1,9 @@
-"""Training workers with the API of verl-omni's ``TrainingWorker`` / ``ActorRolloutRefWorker``.
+"""Workers with the API of verl-omni's ``TrainingWorker`` / ``ActorRolloutRefWorker``.
 
 Workers receive and return TensorDicts. Control flags travel as non-tensor entries of the input
-TensorDict (``mini_batch_size``, ``epochs``, ``seed``, ``no_lora_adapter``, ``disable_auto_offload``).
-In this version the workers run in-process (the embedded default).
+TensorDict (``mini_batch_size``, ``update_seeds``, ``seed``, ``no_lora_adapter``, ``disable_auto_offload``).
+A worker group (``diffrl.distributed.controller``) runs them in-process or as Ray actors; each method's
+``@register`` mode says how the group splits its input and merges its outputs.
 """
 
 from __future__ import annotations
@@ -14,14 +15,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from tensordict import TensorDict
+from tensordict import NonTensorStack, TensorDict
 
-from diffrl import adapters as lora
 from diffrl import checkpoint
-from diffrl.engine import DiffusionEngine, EngineSettings
-from diffrl.evaluation import deterministic_settings
-from diffrl.rollout import SamplerSettings, sample_seed, sample_trajectories
-from diffrl.single_controller.base import Dispatch, register
+from diffrl.config import ModelConfig, OptimConfig, SamplerConfig
+from diffrl.distributed.controller import Dispatch, register
+from diffrl.engine import lora
+from diffrl.engine.engine import DiffusionEngine
+from diffrl.flops import counter_for_adapter
+from diffrl.sampling.evaluation import deterministic_settings
+from diffrl.sampling.rollout import sample_trajectories
+from pipelines import build_adapter
 
 ROLES = ("actor", "rollout", "ref", "actor_rollout", "actor_rollout_ref")
 
@@ -46,36 +50,53 @@ def metrics_td(metrics: dict, **tensors) -> TensorDict:
 
 
 @dataclass(kw_only=True)
-class TrainingWorkerConfig:
-    """Everything a TrainingWorker needs to build its engine."""
+class WorkerConfig:
+    """Everything a worker needs to build its model and engine: the components' own configs."""
 
-    model_family: str
-    """model family name (pipelines registry)"""
-    model_kwargs: dict = field(default_factory=dict)
-    """keyword arguments of the family's adapter (path, dtype, device, …)"""
-    engine: EngineSettings = field(default_factory=EngineSettings)
-    sampler: SamplerSettings = field(default_factory=lambda: SamplerSettings(num_steps=10))
+    model: ModelConfig
+    """the model family, its weights and LoRA / FSDP2 / compile settings"""
+    sampler: SamplerConfig
+    """how rollouts are drawn (and how training re-scores them)"""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """the optimizer (``algorithm.lr`` …)"""
+    micro_batch_size: int | None = None
+    """trajectories per forward/backward (``algorithm.micro_batch_size``)"""
+    seed: int = 0
+    """seed of the LoRA initialisation (``trainer.seed``)"""
+    old_policy: bool = False
+    """keep an ``old`` policy from the start (the algorithm asks for it)"""
+    total_steps: int | None = None
+    """optimizer steps of the whole run (linear / cosine learning-rate schedules)"""
 
 
 class TrainingWorker:
-    """Trains or scores trajectories with one engine (seed API: reset, to, set_loss_fn, train_batch, …)."""
+    """Trains or scores trajectories with one engine (seed API: ``reset``, ``to``, ``set_loss_fn``,
+    ``train_batch``, ``infer_batch``, ``train_mini_batch``, adapters, checkpoints).
 
-    def __init__(self, config: TrainingWorkerConfig, adapter=None):
-        from pipelines import build_adapter
+    Args:
+        config: a :class:`WorkerConfig`.
+        adapter: an already built model adapter (default: built from ``config.model``).
+    """
 
+    def __init__(self, config: WorkerConfig, adapter=None):
         self.config = config
-        self.adapter = adapter if adapter is not None else build_adapter(config.model_family, **config.model_kwargs)
-        self.engine = DiffusionEngine(self.adapter, config.engine, config.sampler)
+        self.adapter = adapter if adapter is not None else build_adapter(config.model.family, **config.model.adapter_kwargs())
+        self.engine = DiffusionEngine(
+            self.adapter, model=config.model, optim=config.optim, sampler=config.sampler, micro_batch_size=config.micro_batch_size,
+            seed=config.seed, old_policy=config.old_policy, total_steps=config.total_steps,
+        )
         self.loss_fn = None
 
     def reset(self) -> None:
-        """Build LoRA and the optimizer (first call)."""
+        """Attach LoRA (or unfreeze the denoiser) and build the optimizer (idempotent)."""
         self.engine.initialize()
 
+    @register(Dispatch.ONE_TO_ALL)
     def to(self, device: str, model: bool = True, optimizer: bool = True, grad: bool = True) -> None:
         if model:
             self.engine.to(device)
 
+    @register(Dispatch.ONE_TO_ALL)
     def set_loss_fn(self, loss_fn) -> None:
         self.loss_fn = loss_fn
 
@@ -97,32 +118,30 @@ class TrainingWorker:
         return out
 
     def train_mini_batch(self, data: TensorDict) -> TensorDict:
-        """Split ``data`` into mini-batches of ``mini_batch_size`` and run ``epochs`` passes over them.
+        """One optimizer step per consecutive mini-batch of ``mini_batch_size`` rows of ``data``, in order.
 
-        The order within each epoch is a permutation seeded by ``seed + epoch``. Returns every
-        optimizer step's metrics as lists under ``metrics``.
+        The driver (``Algorithm.train_epochs``) draws the mini-batches, their order over epochs and one seed
+        per optimizer step (flag ``update_seeds``); this is the only mini-batch loop. Returns every optimizer
+        step's metrics as lists under ``metrics``.
         """
         pop_flag(data, "disable_auto_offload", False)
         batch_size = data.shape[0]
         mini_batch_size = int(pop_flag(data, "mini_batch_size", None) or batch_size)
-        epochs = int(pop_flag(data, "epochs", 1))
-        seed = int(pop_flag(data, "seed", 0))
-        shuffle = bool(pop_flag(data, "shuffle", True))
         if batch_size % mini_batch_size:
             raise ValueError(f"batch of {batch_size} trajectories is not divisible by mini_batch_size={mini_batch_size}")
         num_mini_batches = batch_size // mini_batch_size
+        seeds = pop_flag(data, "update_seeds", None) or [0] * num_mini_batches
+        if len(seeds) != num_mini_batches:
+            raise ValueError(f"update_seeds has {len(seeds)} seeds for {num_mini_batches} mini-batches")
         collected: dict[str, list] = defaultdict(list)
-        for epoch in range(epochs):
-            permute = shuffle and (epochs > 1 or num_mini_batches > 1)
-            order = torch.randperm(batch_size, generator=torch.Generator().manual_seed(seed + epoch)) if permute else torch.arange(batch_size)
-            for index, rows in enumerate(torch.tensor_split(order, num_mini_batches)):
-                mini = data[rows]
-                mini.set_non_tensor("seed", sample_seed(seed, epoch, index, 3))
-                out = self.train_batch(mini)
-                for key, value in out.get_non_tensor("metrics").items():
-                    collected[key].append(value)
+        for index in range(num_mini_batches):
+            mini = data[index * mini_batch_size : (index + 1) * mini_batch_size]
+            mini.set_non_tensor("seed", int(seeds[index]))
+            for key, value in self.train_batch(mini).get_non_tensor("metrics").items():
+                collected[key].append(value)
         return metrics_td(dict(collected))
 
+    @register(Dispatch.ONE_TO_ALL)
     def copy_adapter(self, source: str = "default", target: str = "old") -> None:
         """``target ← source``; ``default → old`` also works for full fine-tuning (a frozen copy)."""
         if (source, target) == ("default", "old"):
@@ -130,6 +149,7 @@ class TrainingWorker:
         else:
             lora.copy_adapter(self.engine.module, source, target)
 
+    @register(Dispatch.ONE_TO_ALL)
     def ema_update_adapter(self, source: str = "default", target: str = "old", decay: float = 0.0) -> None:
         """``target ← decay·target + (1 − decay)·source`` (``default → old`` also for full fine-tuning)."""
         if (source, target) == ("default", "old"):
@@ -137,25 +157,28 @@ class TrainingWorker:
         else:
             lora.ema_update_adapter(self.engine.module, source, target, decay)
 
+    @register(Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, local_path: str | Path, global_step: int = 0, extra_state: dict | None = None) -> Path:
         return checkpoint.save_engine(self.engine, local_path, global_step=global_step, extra_state=extra_state)
 
+    @register(Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, local_path: str | Path) -> dict:
         return checkpoint.load_engine(self.engine, local_path)
 
 
-class ActorRolloutRefWorker:
+class ActorRolloutRefWorker(TrainingWorker):
     """The hybrid worker: actor, rollout and reference on one module (seed API).
 
     With LoRA the reference is the actor with its adapters disabled and the rollout samples from the
-    actor's own module, so ``update_weights`` has nothing to move (colocated, in place).
+    actor's own module, so ``update_weights`` has nothing to move (colocated, in place). The model is built
+    by :meth:`init_model`, in the worker's own process (a Ray actor builds it on its device).
 
     Args:
-        config: a :class:`TrainingWorkerConfig`.
+        config: a :class:`WorkerConfig`.
         role: one of ``actor | rollout | ref | actor_rollout | actor_rollout_ref``.
     """
 
-    def __init__(self, config: TrainingWorkerConfig, role: str = "actor_rollout_ref"):
+    def __init__(self, config: WorkerConfig, role: str = "actor_rollout_ref"):
         if role not in ROLES:
             raise ValueError(f"unknown worker role {role!r}; choose one of {ROLES}")
         self.config = config
@@ -163,37 +186,30 @@ class ActorRolloutRefWorker:
         self._is_actor = role in ("actor", "actor_rollout", "actor_rollout_ref")
         self._is_rollout = role in ("rollout", "actor_rollout", "actor_rollout_ref")
         self._is_ref = role in ("ref", "actor_rollout_ref")
-        self.actor: TrainingWorker | None = None
+        self.engine = None
         self.weights_version = 0
 
     @register(Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
-        self.actor = TrainingWorker(self.config)
+        TrainingWorker.__init__(self, self.config)
         if self._is_actor or self._is_ref:
-            self.actor.reset()
-
-    @register(Dispatch.ONE_TO_ALL)
-    def set_loss_fn(self, loss_fn) -> None:
-        self.actor.set_loss_fn(loss_fn)
-
-    @register(Dispatch.ONE_TO_ALL)
-    def to(self, device: str, model: bool = True, optimizer: bool = True, grad: bool = True) -> None:
-        self.actor.to(device, model=model, optimizer=optimizer, grad=grad)
+            self.reset()
 
     @register(Dispatch.DP_COMPUTE)
     def generate_sequences(self, data: TensorDict) -> TensorDict:
         """Sample trajectories: ``data`` holds non-tensor ``prompts`` and tensor ``seeds``, ``group_id``,
-        optionally ``init_seeds`` and the non-tensor flags ``sde_mask [K]``, ``stochastic_mask [K]``,
-        ``micro_batch_size``; sampler settings come from the config."""
+        optionally ``init_seeds`` and the non-tensor flags ``policy`` (``current`` | ``old``), ``sde_mask [K]``,
+        ``stochastic_mask [K]``, ``record_means``, ``micro_batch_size``, ``eval_num_steps`` (a deterministic
+        evaluation); sampler settings come from the config."""
         if not self._is_rollout:
             raise RuntimeError(f"generate_sequences needs a rollout role, this worker is {self.role!r}")
         prompts = list(data.get("prompts").tolist()) if hasattr(data.get("prompts"), "tolist") else list(data.get("prompts"))
         start = time.perf_counter()
-        self.actor.engine.module.eval()
+        self.engine.module.eval()
         policy = get_flag(data, "policy", "current")
         if policy not in ("current", "old"):
             raise ValueError(f"generate_sequences: policy must be 'current' or 'old', got {policy!r}")
-        ctx = self.actor.engine.old_policy() if policy == "old" else contextlib.nullcontext()
+        ctx = self.engine.old_policy() if policy == "old" else contextlib.nullcontext()
         with ctx:
             td = self._sample(data, prompts)
         td.set_non_tensor("metrics", {"rollout_seconds": time.perf_counter() - start, "weights_version": self.weights_version})
@@ -203,13 +219,13 @@ class ActorRolloutRefWorker:
         settings = self.config.sampler
         eval_steps = get_flag(data, "eval_num_steps")
         if eval_steps:  # deterministic evaluation, no trained steps
-            settings = deterministic_settings(settings, self.actor.adapter.prediction_type, int(eval_steps))
+            settings = deterministic_settings(settings, self.adapter.prediction_type, int(eval_steps))
             return sample_trajectories(
-                self.actor.adapter, prompts, settings=settings, seeds=data["seeds"].tolist(), group_id=data["group_id"],
+                self.adapter, prompts, settings=settings, seeds=data["seeds"].tolist(), group_id=data["group_id"],
                 micro_batch_size=get_flag(data, "micro_batch_size"),
             )
         return sample_trajectories(
-            self.actor.adapter, prompts, settings=settings, seeds=data["seeds"].tolist(),
+            self.adapter, prompts, settings=settings, seeds=data["seeds"].tolist(),
             sde_mask=get_flag(data, "sde_mask"), stochastic_mask=get_flag(data, "stochastic_mask"),
             init_seeds=data["init_seeds"].tolist() if "init_seeds" in data.keys() else None, group_id=data["group_id"],
             micro_batch_size=get_flag(data, "micro_batch_size"), record_means=bool(get_flag(data, "record_means", False)),
@@ -217,71 +233,67 @@ class ActorRolloutRefWorker:
 
     @register(Dispatch.DP_COMPUTE)
     def infer_ref_batch(self, data: TensorDict) -> TensorDict:
+        """Log-probs of ``data`` under the reference policy (the actor with its adapters disabled)."""
         data.set_non_tensor("no_lora_adapter", True)
-        return self.actor.infer_batch(data)
+        return self.infer_batch(data)
 
     @register(Dispatch.DP_COMPUTE)
     def infer_actor_batch(self, data: TensorDict) -> TensorDict:
-        return self.actor.infer_batch(data)
+        """Log-probs of ``data`` under the current policy."""
+        return self.infer_batch(data)
 
     @register(Dispatch.DP_COMPUTE)
     def update_actor(self, data: TensorDict) -> TensorDict:
+        """This rank's slice of every mini-batch (:meth:`train_mini_batch`)."""
         if not self._is_actor:
             raise RuntimeError(f"update_actor needs an actor role, this worker is {self.role!r}")
-        return self.actor.train_mini_batch(data)
-
-    @register(Dispatch.ONE_TO_ALL)
-    def copy_adapter(self, source: str = "default", target: str = "old") -> None:
-        self.actor.copy_adapter(source, target)
-
-    @register(Dispatch.ONE_TO_ALL)
-    def ema_update_adapter(self, source: str = "default", target: str = "old", decay: float = 0.0) -> None:
-        self.actor.ema_update_adapter(source, target, decay)
+        return self.train_mini_batch(data)
 
     @register(Dispatch.ONE_TO_ALL)
     def update_weights(self, global_steps: int | None = None) -> None:
         """Make the rollout path use the actor's current weights.
 
         Colocated in one process the rollout samples with the actor's own module (LoRA included), so
-        the sync is in place; the version counter records which update the rollout sees.
+        the sync is in place; the version counter records which update the rollout sees (reported with
+        every rollout as ``weights_version``).
         """
         self.weights_version = global_steps if global_steps is not None else self.weights_version + 1
 
     @register(Dispatch.ONE_TO_ALL)
-    def save_checkpoint(self, local_path, global_step: int = 0, extra_state: dict | None = None) -> Path:
-        return self.actor.save_checkpoint(local_path, global_step, extra_state)
-
-    @register(Dispatch.ONE_TO_ALL)
-    def load_checkpoint(self, local_path) -> dict:
-        return self.actor.load_checkpoint(local_path)
-
-    @register(Dispatch.ONE_TO_ALL)
     def default_prompts(self) -> list[str] | None:
         """The model family's built-in prompt set."""
-        return self.actor.adapter.default_prompts()
+        return self.adapter.default_prompts()
 
     @register(Dispatch.ONE_TO_ALL)
-    def load_offline_pairs(self, path: str) -> TensorDict:
-        """Preference pairs of a jsonl/parquet file, encoded by this worker's model (see ``diffrl.algorithms``)."""
-        from diffrl.algorithms import load_offline_pairs
-
-        return load_offline_pairs(path, self.actor.adapter)
+    def encode_pairs(self, pairs: TensorDict) -> TensorDict:
+        """Preference pairs (``diffrl.data.read_preference_pairs``: ``images_w``, ``images_l``, ``prompts``)
+        encoded by this worker's model: ``latents_w``, ``latents_l``, ``cond``, ``seeds`` (the pair index)."""
+        prompts = list(pairs.get("prompts").tolist())
+        unique = list(dict.fromkeys(prompts))
+        cond = self.adapter.encode_prompts(unique)[torch.tensor([unique.index(p) for p in prompts])]
+        td = TensorDict(
+            {
+                "latents_w": self.adapter.encode_images(pairs["images_w"]).cpu(), "latents_l": self.adapter.encode_images(pairs["images_l"]).cpu(),
+                "cond": cond.cpu(), "seeds": torch.arange(len(prompts), dtype=torch.long),
+            },
+            batch_size=[len(prompts)],
+        )
+        td["prompts"] = NonTensorStack(*prompts)
+        return td
 
     @register(Dispatch.ONE_TO_ALL)
     def flops_counter(self, peak_flops: float | None = None):
         """A DiffusionFlopsCounter of this worker's denoiser at the sampler's image size (its device's
         peak from the table unless ``peak_flops`` is given); None for a denoiser without a formula."""
-        from diffrl.flops import counter_for_adapter
-
-        adapter, s = self.actor.adapter, self.config.sampler
+        adapter, s = self.adapter, self.config.sampler
         device = adapter.device
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
         try:
-            return counter_for_adapter(adapter, s.height, s.width, lora_rank=self.config.engine.lora_rank, device_name=name, peak_flops=peak_flops)
+            return counter_for_adapter(adapter, s.height, s.width, lora_rank=self.config.model.lora.rank, device_name=name, peak_flops=peak_flops)
         except ValueError:
             return None
 
     @register(Dispatch.ONE_TO_ALL)
     def trainable_state(self) -> dict[str, torch.Tensor]:
         """Whole tensors of the trained parameters (every rank gathers its shards)."""
-        return {n: t.cpu() for n, t in self.actor.engine.trainable_state().items()}
+        return {n: t.cpu() for n, t in self.engine.trainable_state().items()}

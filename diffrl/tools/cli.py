@@ -1,8 +1,8 @@
 """``diffrl`` command line.
 
     diffrl train [key=value ...]          run a recipe (default: experiment=digits_flow_grpo on CPU)
-    diffrl sample / eval / export-lora    sample images, evaluate, export the LoRA (diffrl.commands)
-    diffrl serve-reward reward=<name>     serve a registered reward over HTTP (diffrl.reward_server)
+    diffrl sample / eval / export-lora    sample images, evaluate, export the LoRA (diffrl.tools.commands)
+    diffrl serve-reward reward=<name>     serve a registered reward over HTTP (diffrl.tools.reward_server)
 
 Overrides use hydra syntax: ``diffrl train experiment=digits_flow_grpo trainer.steps=20
 trainer.output_dir=runs/a``. Errors in the config, missing files and failing rewards print one line
@@ -15,11 +15,16 @@ import argparse
 import json
 import os
 import sys
+from diffrl.recipes import compose
+from diffrl.trainer import Trainer
+from diffrl.tools import commands, reward_server
+from diffrl.recipes import ConfigError
+from diffrl.logging import WandbInitError
+from diffrl.trainer import RunFolderError
+from rewards.base import RewardError
 
 
 def _train(overrides: list[str]) -> int:
-    from diffrl.config import compose
-    from diffrl.trainer import Trainer
 
     cfg = compose(overrides)
     trainer = Trainer(cfg)
@@ -35,16 +40,11 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="run a training recipe", description="run a training recipe; overrides as key=value")
     train.add_argument("overrides", nargs="*", help="hydra overrides, e.g. experiment=digits_flow_grpo trainer.steps=20")
-    from diffrl import commands, reward_server
 
     handlers = {"train": lambda args: _train(args.overrides)}
     handlers.update(commands.add_parsers(sub))  # name -> handler(args) -> exit status
     handlers.update(reward_server.add_parsers(sub))
     args = parser.parse_args(argv)
-    from diffrl.config import ConfigError
-    from diffrl.logging import WandbInitError
-    from diffrl.trainer import RunFolderError
-    from rewards.base import RewardError
 
     try:
         return handlers[args.command](args)

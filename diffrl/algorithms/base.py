@@ -1,0 +1,245 @@
+"""The algorithm interface and its registry.
+
+An algorithm decides what one RL step does between the rollout request and the weight sync: which policy
+samples and which steps are stochastic / trained (:meth:`Algorithm.rollout_plan`), what objective the
+workers train (:meth:`Algorithm.objective`), and how rewards become an update (:meth:`Algorithm.update`,
+through the typed worker group). Each algorithm owns a ``Config`` dataclass (extending
+``diffrl.config.AlgorithmConfig``); the ``algorithm`` config schema is the union of the registered ones,
+so an algorithm's keys need no edit anywhere else.
+
+The registry maps ``algorithm.trainer`` names to classes (``@register_algorithm("nft")``). Nothing outside
+the registry and the class itself tests an algorithm's name: the trainer asks the class.
+
+Adding an algorithm: one module under ``diffrl/algorithms/`` (its ``Config``, its objective, its
+``update``), imported in ``diffrl/algorithms/__init__.py``, a recipe ``configs/experiment/digits_<name>.yaml``
+and a test (``docs/algorithms.md``, "Adding an algorithm").
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import typing
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
+
+import torch
+from tensordict import TensorDict
+
+from diffrl.config import AlgorithmConfig, SamplerConfig
+from diffrl.sampling.schedules import WindowMasks
+from diffrl.sampling.seeding import Stream, derive, generator
+
+
+@dataclass(frozen=True)
+class RolloutPlan:
+    """What an RL step asks of the rollout.
+
+    Attributes:
+        policy: ``current`` (the trained policy) or ``old`` (DiffusionNFT's sampling policy).
+        trained: ``[K]`` steps whose log-probs are trained (a subset of ``stochastic``).
+        stochastic: ``[K]`` steps drawn with the sampler's stochastic kind (others with the ODE solver).
+        record_means: also record each step's transition mean (GRPO-Guard's RatioNorm).
+    """
+
+    policy: str
+    trained: torch.Tensor
+    stochastic: torch.Tensor
+    record_means: bool = False
+
+
+class Workers(Protocol):
+    """What an algorithm calls on the worker group (``diffrl.distributed.WorkerGroup``)."""
+
+    world_size: int
+
+    def update_actor(self, data: TensorDict) -> TensorDict: ...
+
+    def ema_update_adapter(self, source: str = "default", target: str = "old", decay: float = 0.0) -> None: ...
+
+    def encode_pairs(self, pairs: TensorDict) -> TensorDict: ...
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """The run-level facts an algorithm needs besides its own config."""
+
+    seed: int
+    """trainer.seed"""
+    prompts_per_step: int
+    group_size: int
+    sampler: SamplerConfig
+    reward_weights: dict[str, float]
+    """reward name → weight in the sum"""
+
+
+@dataclass
+class StepResult:
+    """What :meth:`Algorithm.update` returns: per-optimizer-step metric lists and scalars for the step's record."""
+
+    metrics: dict[str, list] = dataclasses.field(default_factory=dict)
+    record: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+class Algorithm(abc.ABC):
+    """One algorithm family. Subclasses set ``name``, ``Config`` and implement :meth:`objective` and :meth:`update`."""
+
+    name: ClassVar[str]
+    Config: ClassVar[type[AlgorithmConfig]] = AlgorithmConfig
+    needs_old_policy: ClassVar[bool] = False
+    """the engine keeps an ``old`` policy (a second adapter / frozen copy) from the start"""
+
+    def __init__(self, config: AlgorithmConfig, run: RunContext):
+        self.config = config
+        self.run = run
+
+    # -- what the algorithm asks of the rest ---------------------------------------------------------
+    @abc.abstractmethod
+    def objective(self):
+        """The loss the workers train (``diffrl.engine.DiffusionEngine.train_batch``'s ``loss_fn``)."""
+
+    def validate(self, num_workers: int) -> None:
+        """Raise a one-line ValueError for settings this algorithm cannot run with, before any work."""
+
+    def needs_rollout(self, step: int) -> bool:
+        """Whether RL step ``step`` samples and scores rollouts (offline DPO does not)."""
+        return True
+
+    def rollout_plan(self, masks: WindowMasks) -> RolloutPlan:
+        """Which policy samples and which steps are stochastic / trained, given the window's masks."""
+        return RolloutPlan("current", masks.trained, masks.stochastic)
+
+    def rows_per_step(self) -> int:
+        """Rows of one RL step's update (trajectories, or pairs for preference learning)."""
+        return self.run.prompts_per_step * self.run.group_size
+
+    def optimizer_steps_per_rl_step(self) -> int:
+        rows = self.rows_per_step()
+        return max(1, rows // int(self.config.mini_batch_size or rows)) * int(self.config.epochs)
+
+    def train_forwards(self, record: dict, trained_steps: int) -> tuple[int, int]:
+        """``(units, extra_forwards)`` of one RL step's training for the FLOPs counter: ``units``
+        sample-steps trained with backward, each with ``extra_forwards`` no-grad forwards beside it."""
+        n = self.run.prompts_per_step * self.run.group_size
+        return n * trained_steps, int(self.config.kl_beta > 0)
+
+    # -- the update ----------------------------------------------------------------------------------
+    def setup(self, workers: Workers) -> None:
+        """Once, after the workers are built (load data the update needs)."""
+
+    @abc.abstractmethod
+    def update(self, workers: Workers, traj: TensorDict | None, scores: dict | None, step: int) -> StepResult:
+        """Train on RL step ``step``'s trajectories (None when :meth:`needs_rollout` is false)."""
+
+    def state_dict(self) -> dict:
+        """JSON state a resume needs (e.g. a stat tracker)."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+    # -- the one mini-batch × epoch loop ---------------------------------------------------------------
+    def train_epochs(self, workers: Workers, td: TensorDict, full_batch: int, step: int) -> dict[str, list]:
+        """``epochs`` passes of optimizer steps over ``td``.
+
+        The mini-batches are drawn here (a seeded permutation per epoch when there are several mini-batches
+        or epochs, stream ``MINI_BATCH_SHUFFLE``) and laid out so that each worker trains its slice of every
+        mini-batch (:func:`arrange_for_data_parallel`): the update is the same for any number of workers.
+        The number of mini-batches is that of a full batch (``full_batch / mini_batch_size``); rows that do
+        not fill equal mini-batches divisible by the workers are left out (``rows_unused``). Each optimizer
+        step gets its own seed (stream ``UPDATE``) for the objective's noise.
+        """
+        a, W = self.config, workers.world_size
+        n = td.shape[0]
+        num_mini = max(1, min(n, full_batch // int(a.mini_batch_size or full_batch)))
+        per_mini = (n // num_mini) // W * W
+        if per_mini == 0:
+            return {"rows_unused": [float(n)]}
+        used = per_mini * num_mini
+        collected: dict[str, list] = {}
+        shuffle = a.epochs > 1 or num_mini > 1
+        for epoch in range(int(a.epochs)):
+            order = torch.randperm(n, generator=generator(self.run.seed, Stream.MINI_BATCH_SHUFFLE, step, epoch)) if shuffle else torch.arange(n)
+            batch = arrange_for_data_parallel(td, mini_batch_size=per_mini, world_size=W, order=order[:used])
+            batch.set_non_tensor("mini_batch_size", per_mini // W)
+            batch.set_non_tensor("update_seeds", [derive(self.run.seed, Stream.UPDATE, step, epoch, m) for m in range(num_mini)])
+            out = workers.update_actor(batch).get_non_tensor("metrics")
+            for key, values in out.items():
+                collected.setdefault(key, []).extend(values)
+        collected["rows_unused"] = [float(n - used)]
+        return collected
+
+
+def arrange_for_data_parallel(data: TensorDict, *, mini_batch_size: int, world_size: int, order: torch.Tensor) -> TensorDict:
+    """Reorder rows so that contiguous DP chunks hold, for every mini-batch in ``order``, that mini-batch's
+    slice of each rank: rank r then trains mini-batch m on rows ``order[m·M + r·M/W : m·M + (r+1)·M/W]``.
+
+    With one worker this is ``data[order]``. Each rank's share of a mini-batch is ``mini_batch_size / world_size``.
+    """
+    n = data.shape[0]
+    if n % mini_batch_size or mini_batch_size % world_size:
+        raise ValueError(
+            f"{n} rows in mini-batches of {mini_batch_size} over {world_size} workers: the mini-batch size must divide "
+            f"the batch and be divisible by the number of workers"
+        )
+    per = mini_batch_size // world_size
+    rows = []
+    for r in range(world_size):
+        for m in range(n // mini_batch_size):
+            start = m * mini_batch_size + r * per
+            rows.append(order[start : start + per])
+    return data[torch.cat(rows)]
+
+
+ALGORITHMS: dict[str, type[Algorithm]] = {}
+
+
+def register_algorithm(name: str):
+    """Class decorator: register an :class:`Algorithm` under ``algorithm.trainer=<name>``."""
+
+    def wrap(cls: type[Algorithm]) -> type[Algorithm]:
+        if name in ALGORITHMS and ALGORITHMS[name] is not cls:
+            raise ValueError(f"algorithm {name!r} is registered twice ({ALGORITHMS[name].__name__} and {cls.__name__})")
+        if not (isinstance(cls.Config, type) and issubclass(cls.Config, AlgorithmConfig)):
+            raise TypeError(f"{cls.__name__}.Config must extend diffrl.config.AlgorithmConfig")
+        cls.name = name
+        ALGORITHMS[name] = cls
+        return cls
+
+    return wrap
+
+
+def algorithm_class(name: str) -> type[Algorithm]:
+    if name not in ALGORITHMS:
+        raise ValueError(f"unknown algorithm.trainer {name!r}; choose one of {sorted(ALGORITHMS)}")
+    return ALGORITHMS[name]
+
+
+def config_schema() -> type:
+    """The ``algorithm`` schema: one dataclass with the fields of every registered algorithm's ``Config``.
+
+    A field that two algorithms declare must have the same type and default in both."""
+    merged: dict[str, tuple[dataclasses.Field, Any]] = {}
+    for cls in (AlgorithmConfig, *(c.Config for c in ALGORITHMS.values())):
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            seen = merged.get(f.name)
+            if seen is not None and (seen[1] != hints[f.name] or _default(seen[0]) != _default(f)):
+                raise TypeError(f"algorithm config field {f.name!r} of {cls.__name__} differs from another algorithm's declaration")
+            merged.setdefault(f.name, (f, hints[f.name]))
+    fields = [
+        (name, hint, dataclasses.field(default=f.default) if f.default is not dataclasses.MISSING else dataclasses.field(default_factory=f.default_factory))
+        for name, (f, hint) in merged.items()
+    ]
+    return dataclasses.make_dataclass("AlgorithmSchema", fields)
+
+
+def _default(f: dataclasses.Field):
+    return f.default if f.default is not dataclasses.MISSING else f.default_factory()
+
+
+def build_algorithm(config, run: RunContext) -> Algorithm:
+    """The registered algorithm of ``config.trainer``, given its own ``Config`` (the fields it declares)."""
+    cls = algorithm_class(config.trainer)
+    own = cls.Config(**{f.name: getattr(config, f.name) for f in dataclasses.fields(cls.Config)})
+    return cls(own, run)

@@ -1,0 +1,112 @@
+"""Policy gradient on the per-step SDE log-probs: Flow-GRPO and its variants, DanceGRPO, GRPO-Guard, DDPO.
+
+Sample SDE trajectories with the current policy, score them, turn rewards into advantages (group-relative,
+or DDPO's per-prompt stat tracker), and take clipped-ratio steps on the trained steps' log-probs with the
+loss of ``algorithm.loss`` (``diffrl.algorithms.losses``: ``flow_grpo``, ``grpo_guard``, ``ddpo``). The
+variants differ in the sampler (step kind, training window) and the loss, not in this class:
+Flow-GRPO-Fast and MixGRPO are windows, DanceGRPO is ``sampler.kind=dance_sde`` with a random window.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from tensordict import TensorDict
+
+from diffrl.algorithms.advantages import PerPromptStatTracker, aggregate_rewards, group_std_keep_mask
+from diffrl.algorithms.base import Algorithm, RolloutPlan, StepResult, register_algorithm
+from diffrl.algorithms.losses import make_step_loss
+from diffrl.config import AlgorithmConfig
+from diffrl.sampling.schedules import WindowMasks
+
+
+@dataclass
+class PolicyGradientConfig(AlgorithmConfig):
+    loss: str = "flow_grpo"
+    """policy-gradient loss in the diffrl.algorithms.losses registry: flow_grpo | grpo_guard | ddpo"""
+    clip_range: float = 0.2
+    """PPO ratio clip ε"""
+    kl_dt_scale: bool = False
+    """Flow-GRPO KL with the dt factor ((μ−μ_ref)²/(2σ_t²)) instead of the exact Gaussian KL"""
+    ratio_norm: bool = True
+    """grpo_guard: normalise the log-ratio (RatioNorm)"""
+    grad_reweight: bool = True
+    """grpo_guard: reweight each step's surrogate by 1/Δt"""
+    adv_drop_zero_std: bool = False
+    """drop prompt groups whose rewards are all equal (counted in metrics)"""
+    adv_stat_tracker: bool = False
+    """DDPO's per-prompt stat tracker instead of the current group's statistics"""
+    adv_tracker_buffer: int = 32
+    """stat tracker: rewards kept per prompt"""
+    adv_tracker_min_count: int = 16
+    """stat tracker: rewards of a prompt needed before its own statistics are used"""
+
+
+class RewardAdvantages:
+    """Rewards → advantages: group-relative statistics of the (weighted) rewards, or DDPO's per-prompt
+    stat tracker; clipped to ``±adv_clip_max``."""
+
+    def __init__(self, config: PolicyGradientConfig, reward_weights: dict[str, float]):
+        self.config = config
+        self.weights = reward_weights
+        self.tracker = PerPromptStatTracker(config.adv_tracker_buffer, config.adv_tracker_min_count) if config.adv_stat_tracker else None
+
+    def __call__(self, scores: dict, group_id: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        a = self.config
+        if self.tracker is not None:
+            return self.tracker.update(prompts, scores["rewards"]).clamp(-a.adv_clip_max, a.adv_clip_max)
+        per_reward = {name: scores[f"reward/{name}"] for name in self.weights}
+        return aggregate_rewards(
+            per_reward, self.weights, group_id, mode=a.reward_aggregation, std_mode=a.adv_std_mode, eps=a.adv_eps, clip_max=a.adv_clip_max
+        )
+
+    def state_dict(self) -> dict:
+        return {"tracker": self.tracker.state_dict() if self.tracker is not None else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.tracker is not None and state.get("tracker") is not None:
+            self.tracker.load_state_dict(state["tracker"])
+
+
+@register_algorithm("policy_gradient")
+class PolicyGradient(Algorithm):
+    Config = PolicyGradientConfig
+
+    def __init__(self, config: PolicyGradientConfig, run):
+        super().__init__(config, run)
+        self.advantages = RewardAdvantages(config, run.reward_weights)
+
+    def objective(self):
+        a = self.config
+        hyper = {"clip_range": a.clip_range, "kl_beta": a.kl_beta, "kl_dt_scale": a.kl_dt_scale}
+        if a.loss == "grpo_guard":
+            hyper.update(ratio_norm=a.ratio_norm, grad_reweight=a.grad_reweight)
+        return make_step_loss(a.loss, **hyper)
+
+    def validate(self, num_workers: int) -> None:
+        if num_workers > 1 and self.config.adv_drop_zero_std:
+            raise ValueError("algorithm.adv_drop_zero_std leaves an uneven number of rows; with trainer.num_workers > 1 set it to false")
+
+    def rollout_plan(self, masks: WindowMasks) -> RolloutPlan:
+        return RolloutPlan("current", masks.trained, masks.stochastic, record_means=self.config.loss == "grpo_guard")
+
+    def update(self, workers, traj: TensorDict, scores: dict, step: int) -> StepResult:
+        prompts = list(traj.get("prompts").tolist())
+        traj["advantages"] = self.advantages(scores, traj["group_id"], prompts)
+        record = {"advantage_abs_mean": traj["advantages"].abs().mean().item()}
+        batch = traj
+        if self.config.adv_drop_zero_std:
+            keep, n_dropped = group_std_keep_mask(scores["rewards"], traj["group_id"])
+            record["dropped_groups"] = n_dropped
+            if not bool(keep.any()):
+                return StepResult({}, record)
+            batch = traj[keep]
+        del batch["metrics"]
+        return StepResult(self.train_epochs(workers, batch, traj.shape[0], step), record)
+
+    def state_dict(self) -> dict:
+        return {"advantages": self.advantages.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.advantages.load_state_dict(state.get("advantages", {}))

@@ -1,0 +1,19 @@
+"""Execution across workers: the workers (``workers``: the seed's ``TrainingWorker`` /
+``ActorRolloutRefWorker`` API), the typed worker group and its executors (``controller``: local; ``ray``:
+one Ray actor per rank with torch.distributed and FSDP2)."""
+
+from diffrl.distributed.controller import Dispatch, LocalExecutor, WorkerGroup, register
+from diffrl.distributed.ray import RayExecutor
+
+__all__ = ["Dispatch", "LocalExecutor", "RayExecutor", "WorkerGroup", "build_worker_group", "register"]
+
+
+def build_worker_group(worker_cls: type, config, *, backend: str = "local", num_workers: int = 1, role: str = "actor_rollout_ref", **ray_options) -> WorkerGroup:
+    """A :class:`WorkerGroup` of ``worker_cls`` for ``backend`` ``local`` (1 worker, this process) or ``ray``."""
+    if backend == "local":
+        if num_workers != 1:
+            raise ValueError(f"trainer.backend=local runs one worker in this process; for trainer.num_workers={num_workers} use trainer.backend=ray")
+        return WorkerGroup(worker_cls, LocalExecutor(worker_cls, config, role))
+    if backend == "ray":
+        return WorkerGroup(worker_cls, RayExecutor(worker_cls, config, num_workers=num_workers, role=role, **ray_options))
+    raise ValueError(f"unknown trainer.backend {backend!r}; choose local or ray")

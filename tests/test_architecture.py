@@ -1,0 +1,143 @@
+"""The layering of docs/architecture.md, checked on the source: no import cycles, dependencies pointing one
+way, the plug-in packages reached only through their protocols, and no project import hidden in a function."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("diffrl", "pipelines", "rewards")
+PROTOCOLS = {"pipelines", "pipelines.base", "rewards", "rewards.base"}
+
+# diffrl's layers, top to bottom: a module may import its own layer's modules and the layers below it
+LAYERS = [
+    ("diffrl.tools",),
+    ("diffrl.trainer",),
+    ("diffrl.recipes",),
+    ("diffrl.distributed",),
+    ("diffrl.algorithms",),
+    ("diffrl.engine", "diffrl.checkpoint"),
+    ("diffrl.sampling", "diffrl.data", "diffrl.logging", "diffrl.wandb_file"),
+    ("diffrl.config", "diffrl"),
+]
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for pkg in PACKAGES:
+        for path in (ROOT / pkg).rglob("*.py"):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def _resolve(name: str, known: set[str]) -> str | None:
+    while name and name not in known:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _imports(modules: dict[str, Path]) -> tuple[dict[str, set[str]], list[tuple[str, str, int]]]:
+    """Project-internal import edges of every module, and those made inside functions."""
+    known = set(modules)
+    edges: dict[str, set[str]] = {m: set() for m in modules}
+    hidden = []
+    for mod, path in modules.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        in_function = {id(node) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)) for node in ast.walk(f)}
+        package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")
+                    base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
+                names = [base] + [f"{base}.{a.name}" for a in node.names]
+            else:
+                continue
+            for name in names:
+                target = _resolve(name, known)
+                if target and target != mod:
+                    edges[mod].add(target)
+                    if id(node) in in_function:
+                        hidden.append((mod, target, node.lineno))
+    return edges, hidden
+
+
+def _layer(module: str) -> int | None:
+    for index, prefixes in enumerate(LAYERS):
+        if any(module == p or module.startswith(p + ".") for p in prefixes if p != "diffrl") or module == "diffrl" and "diffrl" in prefixes:
+            return index
+    return None
+
+
+def test_no_import_cycles():
+    edges, _ = _imports(_modules())
+    state: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for n in sorted(edges[m]):
+            if state.get(n) == 1:
+                cycles.append(stack[stack.index(n):] + [n])
+            elif n not in state:
+                visit(n)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(edges):
+        if m not in state:
+            visit(m)
+    assert not cycles, cycles
+
+
+def test_plugin_packages_are_reached_only_through_their_protocols():
+    edges, _ = _imports(_modules())
+    bad = []
+    for src, targets in edges.items():
+        top = src.split(".")[0]
+        for dst in targets:
+            other = dst.split(".")[0]
+            if top == "diffrl" and other in ("pipelines", "rewards") and dst not in PROTOCOLS:
+                bad.append((src, dst, "diffrl imports a concrete family or reward"))
+            if top in ("pipelines", "rewards") and other == "diffrl":
+                bad.append((src, dst, "a plug-in imports diffrl"))
+            if top == "rewards" and other == "pipelines":
+                bad.append((src, dst, "a reward imports a model family"))
+    assert not bad, bad
+
+
+def test_diffrl_dependencies_point_down():
+    edges, _ = _imports(_modules())
+    bad = []
+    for src, targets in edges.items():
+        s = _layer(src)
+        for dst in targets:
+            d = _layer(dst)
+            if s is not None and d is not None and d < s:
+                bad.append((src, dst))
+    assert not bad, f"imports from a lower layer up into a higher one: {bad}"
+    assert _layer("diffrl.algorithms.nft") < _layer("diffrl.engine.engine") < _layer("diffrl.sampling.sde")  # the table is read as meant
+
+
+def test_no_project_import_inside_a_function():
+    _, hidden = _imports(_modules())
+    assert not hidden, f"project imports inside functions hide the graph: {hidden}"
+
+
+def test_only_the_registry_and_the_class_know_an_algorithm_name():
+    """No module outside diffrl/algorithms tests ``algorithm.trainer`` or ``algorithm.loss``."""
+    offenders = []
+    for mod, path in _modules().items():
+        if mod.startswith("diffrl.algorithms"):
+            continue
+        text = path.read_text(encoding="utf-8")
+        offenders += [(mod, m.group(0)) for m in re.finditer(r"\btrainer\s*[=!]=\s*[\"']|\b(?:a|algorithm)\.(?:trainer|loss)\b", text)]
+    assert not offenders, offenders
