@@ -8,16 +8,16 @@ config: 24 layers, 24 heads × 64, joint_attention_dim 4096, pooled 2048, captio
 * **reference**: a diffusers-style eager sampling loop (``StableDiffusion3Pipeline``'s denoising loop:
   batched CFG, Euler step in fp32) and an eager peft LoRA training step (a Flow-GRPO step with CFG written
   directly against the transformer);
-* **diffrl eager**: ``diffrl.rollout.sample_trajectories`` and ``DiffusionEngine.train_batch`` (flow_grpo)
+* **diffrl eager**: ``diffrl.sampling.rollout.sample_trajectories`` and ``DiffusionEngine.train_batch`` (flow_grpo)
   through an SD3 adapter, ``model.compile`` off;
-* **diffrl compiled**: the same with ``EngineSettings(compile=True)`` (the denoiser compiled in place after
+* **diffrl compiled**: the same with ``ModelConfig(compile=True)`` (the denoiser compiled in place after
   LoRA is attached), plus end-to-end Flow-GRPO iterations (sample → reward → advantages → train on all
   SDE steps) and the rollout ↔ training log-prob check.
 
 The adapter is ``pipelines.sd3.SD3Adapter`` around the big transformer with prompt embeddings drawn at
 random into its prompt-embedding cache (no text encoders) and a tiny random VAE of the real downsampling
 factor 8 and 16 latent channels (decode cost is not what is measured). MFU comes from
-``diffrl.flops.counter_for_adapter`` against ``--peak-tflops`` (the measured bf16 matmul rate; the run
+``diffrl.engine.flops.counter_for_adapter`` against ``--peak-tflops`` (the measured bf16 matmul rate; the run
 also re-measures it). The SDPA backend priority is set once for every variant (``--sdpa``).
 
     # the GPU run (device tool, carry .whl): wheels, then the script; about 6–8 minutes of device time
@@ -219,10 +219,11 @@ def make_prompts(n: int) -> list[str]:
 
 def diffrl_rollout(adapter, settings, prompts, seed):
     """``sample_trajectories`` as the rollout worker calls it (the module in eval mode; training sets train)."""
-    from diffrl.rollout import sample_seed, sample_trajectories
+    from diffrl.sampling.rollout import sample_trajectories
+    from diffrl.sampling.seeding import Stream, derive
 
     adapter.denoiser.eval()
-    seeds = [sample_seed(seed, 0, i, 0) for i in range(len(prompts))]
+    seeds = [derive(seed, Stream.ROLLOUT, 0, i, 0) for i in range(len(prompts))]
     return sample_trajectories(adapter, prompts, settings=settings, seeds=seeds)
 
 
@@ -253,7 +254,7 @@ def randomise_lora(module, scale: float, seed: int = 0) -> None:
 
 
 def add_advantages(td):
-    from diffrl.advantages import group_advantages
+    from diffrl.algorithms.advantages import group_advantages
 
     rewards = td["images"].float().mean(dim=(1, 2, 3)) / 255.0  # a cheap stand-in reward: brightness
     td["rewards"] = rewards
@@ -263,30 +264,27 @@ def add_advantages(td):
 
 def measure_diffrl(args, label, compile_on, results, device, cfg_mode=None):
     """Rollout images/s, training-step MFU (and, compiled, end-to-end Flow-GRPO) of diffrl's own paths."""
-    from diffrl.engine import DiffusionEngine, EngineSettings, OptimConfig
-    from diffrl.flops import counter_for_adapter
-    from diffrl.losses import make_step_loss
-    from diffrl.rollout import SamplerSettings
+    from diffrl.algorithms.losses import make_step_loss
+    from diffrl.config import LoraConfig, ModelConfig, OptimConfig, SamplerConfig
+    from diffrl.engine.engine import DiffusionEngine
+    from diffrl.engine.flops import counter_for_adapter
 
     B = args.batch
     prompts = make_prompts(B)
     group = 4
     rl_prompts = [p for p in prompts[: B // group] for _ in range(group)]
     adapter = build_adapter(args.config, device, args.seed, prompts, args.n_text, cfg_mode)
-    settings = SamplerSettings(num_steps=args.steps, step_kind="flow_sde", noise_level=0.7, guidance_scale=args.cfg,
-                               height=args.size, width=args.size)
-    engine = DiffusionEngine(
-        adapter,
-        EngineSettings(lora_rank=args.rank, lora_alpha=float(args.rank), compile=compile_on, compile_backend=args.compile_backend,
-                       optim=OptimConfig(lr=1e-5)),
-        settings,
-    )
+    settings = SamplerConfig(num_steps=args.steps, kind="flow_sde", noise_level=0.7, guidance_scale=args.cfg,
+                             height=args.size, width=args.size)
+    model = ModelConfig(lora=LoraConfig(rank=args.rank, alpha=float(args.rank)), compile=compile_on, compile_backend=args.compile_backend)
+    engine = DiffusionEngine(adapter, model=model, optim=OptimConfig(lr=1e-5), sampler=settings)
     t0 = time.perf_counter()
     engine.initialize()
     randomise_lora(engine.module, scale=1e-3)
     counter = counter_for_adapter(adapter, args.size, args.size, lora_rank=args.rank, peak_flops=args.peak_tflops * 1e12)
     loss_fn = make_step_loss("flow_grpo", clip_range=1e-4)
-    r = results[label] = {"compile": compile_on, "cfg_mode": adapter.cfg_mode, "n_image_tokens": counter.n_image, "n_text_tokens": counter.n_text}
+    n_image = (args.size // 8 // args.config["patch_size"]) ** 2
+    r = results[label] = {"compile": compile_on, "cfg_mode": adapter.cfg_mode, "n_image_tokens": n_image, "n_text_tokens": adapter.prompt_tokens()}
 
     # warm-up (compiles the no-grad and the training graphs when compile is on)
     td = add_advantages(diffrl_rollout(adapter, settings, prompts, args.seed))
@@ -412,13 +410,13 @@ def profile_summary(adapter, engine, td, loss_fn, device, top=12):
 def executed_train_units(args, split_cfg: bool) -> float:
     """Matmul/attention FLOPs that one CFG training pass (forward + backward, LoRA only trainable) executes
     per sample, in units of one forward, counted by ``torch.utils.flop_counter`` on a meta-device copy of
-    the model (no memory, no compute). diffrl.flops' convention counts 4 (3 for the conditional branch's
+    the model (no memory, no compute). diffrl.engine.flops' convention counts 4 (3 for the conditional branch's
     forward + backward, 1 for the unconditional forward); with frozen base weights the backward computes no
     weight gradients, and the batched CFG forward back-propagates through both halves."""
     from diffusers import SD3Transformer2DModel
     from torch.utils.flop_counter import FlopCounterMode
 
-    from diffrl import adapters as lora
+    from diffrl.engine import lora
     from pipelines.sd3.adapter import SD3Adapter
 
     cfg = args.config
@@ -449,15 +447,16 @@ def executed_train_units(args, split_cfg: bool) -> float:
 
 
 def flops_counter(args, lora_rank: int):
-    """The analytic counter of diffrl.flops for this model, image size and prompt length."""
-    from diffrl.flops import DiffusionFlopsCounter
+    """The analytic counter of diffrl.engine.flops for this model, image size and prompt length."""
+    from diffrl.engine.flops import DiffusionFlopsCounter
+    from pipelines.flops import mmdit_forward_flops
 
     side = args.size // 8 // args.config["patch_size"]
-    return DiffusionFlopsCounter("mmdit", args.config, side * side, args.n_text, lora_rank, peak_flops=args.peak_tflops * 1e12)
+    return DiffusionFlopsCounter(mmdit_forward_flops(args.config, side * side, args.n_text, lora_rank), peak_flops=args.peak_tflops * 1e12)
 
 
 def measure_reference(args, results, device):
-    from diffrl import adapters as lora
+    from diffrl.engine import lora
     from pipelines.sd3.adapter import SD3Adapter
 
     B = args.batch

@@ -193,7 +193,7 @@ class TrainerConfig:
     threads: Optional[int] = None
     """torch CPU threads (null: torch's default)"""
     peak_flops: Optional[float] = None
-    """FLOP/s per device for MFU (null: the device table of diffrl.flops; no MFU on CPU)"""
+    """FLOP/s per device for MFU (null: the device table of diffrl.engine.flops; no MFU on CPU)"""
     backend: str = "local"
     """local (one worker in this process) | ray (one Ray actor per worker, torch.distributed + FSDP2)"""
     num_workers: int = 1

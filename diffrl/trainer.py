@@ -360,7 +360,7 @@ class Trainer:
 
     def throughput(self, record: dict, times: dict) -> dict:
         """images/s per worker of the rollout and, where the device's peak is known, MFU of the rollout
-        and training passes (analytic FLOPs of ``diffrl.flops``; forward-only passes count 1/3 of a
+        and training passes (analytic FLOPs of ``diffrl.engine.flops``; forward-only passes count 1/3 of a
         training pass)."""
         cfg, W = self.cfg, self.workers.world_size
         s, t = cfg.sampler, cfg.trainer

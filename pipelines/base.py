@@ -4,22 +4,53 @@ A family is plugged in once by subclassing :class:`ModelAdapter` and registering
 :func:`register_family`. Rollout and training both call the same :meth:`ModelAdapter.predict` on the
 same ``denoiser`` module, so log-probs recorded during sampling and recomputed in training agree.
 
-Conventions (DESIGN.md): ``sigma ∈ [0, 1]`` with 1 = pure noise, ``x_σ = (1 − σ)·x0 + σ·ε``, velocity
-``v = ε − x0``; diffusers' "timestep" is ``1000·σ`` and appears only inside ``predict``.
+``predict`` is a template: classifier-free guidance is written once here, around the family's
+``_forward`` (one conditional forward) and its ``combine_guidance`` rule.
+
+Conventions (docs/architecture.md): ``sigma ∈ [0, 1]`` with 1 = pure noise, ``x_σ = (1 − σ)·x0 + σ·ε``, velocity
+``v = ε − x0``; diffusers' "timestep" is ``1000·σ`` and appears only inside ``_forward``.
 """
 
 from __future__ import annotations
 
 import abc
+from collections.abc import Mapping
 from typing import Callable
 
 import torch
 from tensordict import TensorDict
 from torch import nn
 
-from diffrl.schedules import shifted_sigmas
+from pipelines.schedules import shifted_sigmas
 
 _FAMILIES: dict[str, Callable[..., "ModelAdapter"]] = {}
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CFG_MODES = ("split", "batched")
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """``"float32"`` | ``"bfloat16"`` | ``"float16"`` → the torch dtype (``model.dtype``)."""
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(DTYPES)} (model.dtype)")
+    return DTYPES[name]
+
+
+def check_cfg_mode(cfg_mode: str) -> str:
+    """``cfg_mode`` when it is one of :data:`CFG_MODES`, else a ``ValueError`` naming the option."""
+    if cfg_mode not in CFG_MODES:
+        raise ValueError(f"model.options.cfg_mode must be one of {CFG_MODES}, got {cfg_mode!r}")
+    return cfg_mode
+
+
+def guidance_branches(cond: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The conditional and unconditional conditionings of CFG: every entry ``k`` of ``cond`` (not itself a
+    ``negative_*`` entry), and ``negative_k`` under the name ``k``."""
+    keys = [k for k in cond.keys() if not k.startswith("negative_")]
+    missing = [f"negative_{k}" for k in keys if f"negative_{k}" not in cond.keys()]
+    if missing:
+        raise ValueError(f"classifier-free guidance (guidance_scale ≠ 1) needs the unconditional embeddings {missing} in cond; encode_prompts did not return them")
+    return {k: cond[k] for k in keys}, {k: cond[f"negative_{k}"] for k in keys}
 
 
 class ModelAdapter(abc.ABC):
@@ -30,18 +61,20 @@ class ModelAdapter(abc.ABC):
         denoiser: the ``nn.Module`` that LoRA wraps and the optimizer trains.
         lora_target_modules: module-name suffixes that LoRA attaches to.
         shift: the family's default sigma-schedule shift.
+        cfg_mode: how a guided :meth:`predict` runs its two branches (``model.options.cfg_mode``, see there).
     """
 
     prediction_type: str = "flow"
     lora_target_modules: list[str] = []
     shift: float = 1.0
+    cfg_mode: str = "split"
     denoiser: nn.Module
 
     @abc.abstractmethod
     def encode_prompts(self, prompts: list[str]) -> TensorDict:
         """Text conditioning for ``prompts`` as a TensorDict with batch size ``[len(prompts)]``.
 
-        It holds the positive embeddings and the negative (unconditional) ones used by CFG.
+        It holds the positive embeddings ``k`` and, for CFG, the negative (unconditional) ones ``negative_k``.
         """
 
     @abc.abstractmethod
@@ -49,13 +82,51 @@ class ModelAdapter(abc.ABC):
         """Shape of one latent (no batch dim) for an image of ``height × width`` pixels."""
 
     @abc.abstractmethod
-    def predict(self, latents: torch.Tensor, sigma: torch.Tensor, cond: TensorDict, guidance_scale: float) -> torch.Tensor:
-        """Model output for ``latents [B, …]`` at noise level ``sigma [B]``, CFG applied inside.
+    def _forward(self, latents: torch.Tensor, sigma: torch.Tensor, cond: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """One conditional denoiser forward.
 
-        With ``guidance_scale > 1`` the conditional and unconditional branches run as one batched
-        forward and the unconditional output is detached; with ``guidance_scale == 1`` the
-        unconditional branch is not run at all.
+        Args:
+            latents: ``[B, …]`` in the denoiser's dtype.
+            sigma: ``[B]`` fp32 noise levels (the family turns them into its model's timestep).
+            cond: the positive embedding entries of :meth:`encode_prompts` (``[B, …]`` each; extra entries
+                are ignored).
+
+        Returns:
+            The model output ``[B, …]`` in the layout of ``latents``.
         """
+
+    def predict(self, latents: torch.Tensor, sigma: torch.Tensor, cond: TensorDict, guidance_scale: float) -> torch.Tensor:
+        """Model output for ``latents [B, …]`` at noise level ``sigma [B]`` (or a scalar), CFG applied inside.
+
+        ``guidance_scale == 1`` runs the conditional branch only. Otherwise the unconditional branch runs on
+        the ``negative_*`` embeddings and :meth:`combine_guidance` mixes the two; how depends on ``cfg_mode``:
+
+        * ``split`` (default): the unconditional branch as its own forward under ``torch.no_grad()`` (no
+          autograd graph), then the conditional forward; a backward covers ``B`` rows.
+        * ``batched``: one forward over ``[uncond; cond]`` (``2B`` rows, as diffusers' pipelines run CFG), the
+          unconditional half detached afterwards; a backward runs through all ``2B`` rows.
+
+        Both give the same output and gradients up to float rounding; rollout and training use the same
+        mode, so their log-probs agree exactly.
+        """
+        x = latents.to(next(self.denoiser.parameters()).dtype)
+        sigma = torch.as_tensor(sigma, dtype=torch.float32, device=latents.device).expand(latents.shape[0])
+        if guidance_scale == 1.0:
+            return self._forward(x, sigma, cond)
+        positive, negative = guidance_branches(cond)
+        if self.cfg_mode == "split":
+            with torch.no_grad():
+                uncond = self._forward(x, sigma, negative)
+            return self.combine_guidance(self._forward(x, sigma, positive), uncond, guidance_scale)
+        check_cfg_mode(self.cfg_mode)  # batched
+        both = {k: torch.cat([negative[k], positive[k]]) for k in positive}
+        uncond, conditional = self._forward(torch.cat([x, x]), torch.cat([sigma, sigma]), both).chunk(2)
+        return self.combine_guidance(conditional, uncond.detach(), guidance_scale)
+
+    def combine_guidance(self, cond: torch.Tensor, uncond: torch.Tensor, guidance_scale: float) -> torch.Tensor:
+        """CFG of the conditional and (detached) unconditional outputs: ``u + g·(c − u)``. A family with
+        another rule (Qwen-Image's norm-rescaled true CFG) overrides it."""
+        return uncond + guidance_scale * (cond - uncond)
 
     @abc.abstractmethod
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
@@ -66,6 +137,19 @@ class ModelAdapter(abc.ABC):
         """Float images ``[B, 3, H, W]`` in [0, 1] → latents (the VAE encoder's mean); offline
         preference pairs need it. Families without an image encoder raise ``ValueError``."""
         raise ValueError(f"model family {type(self).__name__} cannot encode images into latents (no image encoder)")
+
+    def forward_flops(self, height: int, width: int, *, lora_rank: int = 0) -> float:
+        """FLOPs of one conditional denoiser forward of one sample at ``height × width`` pixels, with LoRA of
+        rank ``lora_rank`` on ``lora_target_modules`` (the convention of ``pipelines.flops``: matmuls,
+        convolutions and attention at 2 FLOPs per multiply-add). Families declare their formula by
+        overriding this; without one it raises ``ValueError``."""
+        raise ValueError(f"model family {type(self).__name__} declares no FLOPs formula (ModelAdapter.forward_flops), so no MFU can be computed for it")
+
+    def prompt_tokens(self) -> int:
+        """Text tokens the denoiser attends to per sample: the sequence length of the embedding of the first
+        default prompt (``"a photo"`` for a family without default prompts)."""
+        cond = self.encode_prompts([(self.default_prompts() or ["a photo"])[0]])
+        return int(cond["prompt_embeds"].shape[1])
 
     def fsdp_blocks(self) -> list[nn.Module]:
         """The denoiser's repeated blocks, each its own FSDP2 unit (transformer blocks; UNet stages)."""
@@ -89,13 +173,6 @@ class ModelAdapter(abc.ABC):
     @property
     def device(self) -> torch.device:
         return next(self.denoiser.parameters()).device
-
-    @staticmethod
-    def combine_guidance(output: torch.Tensor, guidance_scale: float) -> torch.Tensor:
-        """``output`` is ``[uncond; cond]`` stacked on the batch dim → ``u + g·(c − u)``, u detached."""
-        uncond, cond = output.chunk(2)
-        uncond = uncond.detach()
-        return uncond + guidance_scale * (cond - uncond)
 
 
 # built-in families whose module is not ``pipelines.<family>``

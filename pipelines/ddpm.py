@@ -1,6 +1,6 @@
 """DDPM noise schedules for epsilon-prediction families (SD1.5, the digits epsilon UNet).
 
-DESIGN.md's convention for epsilon models: ``sigma = √(1 − ᾱ_t)`` in [0, 1] with ``x_t = √(1 − σ²)·x0 + σ·ε``.
+The convention for epsilon models (docs/architecture.md): ``sigma = √(1 − ᾱ_t)`` in [0, 1] with ``x_t = √(1 − σ²)·x0 + σ·ε``.
 Samplers see noise levels only; the diffusers timestep ``t`` is looked up from ``sigma`` inside the
 adapter's ``predict`` (:meth:`DDPMSchedule.timestep`).
 """

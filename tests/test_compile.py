@@ -1,12 +1,14 @@
-"""``EngineSettings.compile``: the denoiser is compiled in place after LoRA is attached; state-dict keys do
+"""``model.compile``: the denoiser is compiled in place after LoRA is attached; state-dict keys do
 not change, rollout and training run the compiled module, and their log-probs still agree exactly."""
 
 from __future__ import annotations
 
 import torch
 
-from diffrl.engine import DiffusionEngine, EngineSettings
-from diffrl.rollout import SamplerSettings, sample_seed, sample_trajectories
+from diffrl.config import SamplerConfig
+from diffrl.sampling.rollout import sample_trajectories
+from diffrl.sampling.seeding import Stream, derive
+from helpers import make_engine
 from tests.conftest import randomise_lora
 
 
@@ -14,9 +16,9 @@ def _engine(compile_on: bool):
     from pipelines.digits import DigitsAdapter
 
     adapter = DigitsAdapter(path=None, seed=0)
-    settings = SamplerSettings(num_steps=3, step_kind="flow_sde", noise_level=0.7, guidance_scale=3.0)
+    settings = SamplerConfig(num_steps=3, kind="flow_sde", noise_level=0.7, guidance_scale=3.0)
     # aot_eager traces and runs the same graphs as inductor without generating C++ (fast on CPU)
-    engine = DiffusionEngine(adapter, EngineSettings(lora_rank=4, compile=compile_on, compile_backend="aot_eager"), settings)
+    engine = make_engine(adapter, settings, lora_rank=4, compile=compile_on, compile_backend="aot_eager")
     engine.initialize()
     randomise_lora(engine.module)
     return adapter, engine, settings
@@ -25,7 +27,7 @@ def _engine(compile_on: bool):
 def test_compiled_engine_keeps_keys_and_log_prob_parity(single_thread):
     torch._dynamo.reset()
     prompts = [p for p in ("a red seven", "a blue two") for _ in range(2)]
-    seeds = [sample_seed(0, 0, i // 2, i % 2) for i in range(len(prompts))]
+    seeds = [derive(0, Stream.ROLLOUT, 0, i // 2, i % 2) for i in range(len(prompts))]
 
     adapter_e, eager, settings = _engine(False)
     adapter_c, compiled, _ = _engine(True)

@@ -7,9 +7,10 @@ import json
 import torch
 
 from pipelines.digits import ASSET_DIR, DigitsAdapter
-from pipelines.digits.classifiers import DigitsClassifier
-from pipelines.digits.data import COLOUR_NAMES, colourise, load_digit_intensities, parse_prompt, make_prompt, split_indices
-from pipelines.digits.pretrain import gold_accuracy
+from diffrl.sampling.evaluation import eval_prompts_and_seeds, evaluate
+from rewards.base import build_reward
+from rewards.digits.classifiers import DigitsClassifier
+from rewards.digits.data import COLOUR_NAMES, colourise, load_digit_intensities, make_prompt, parse_prompt, split_indices
 
 
 def _held_out_accuracy(folder: str, split_seed: int) -> tuple[float, float]:
@@ -43,8 +44,10 @@ def test_classifiers_accurate_on_held_out_real_digits():
 
 def test_base_generator_leaves_room_to_learn():
     adapter = DigitsAdapter(path=str(ASSET_DIR))
-    judge = DigitsClassifier.from_pretrained(ASSET_DIR / "gold_classifier")
-    acc = gold_accuracy(adapter, judge, guidance_scale=1.0)
+    # the trainer's evaluation: every prompt × 4 held-out seeds (trainer.eval_seed=1234), 10 ODE steps, the gold judge
+    prompts, seeds = eval_prompts_and_seeds(adapter.default_prompts(), 4, 1234)
+    metrics, _ = evaluate(adapter, prompts, seeds=seeds, num_steps=10, guidance_scale=1.0, metrics={"digits_gold": build_reward("digits_gold")})
+    acc = metrics["eval/digits_gold"]
     assert 0.20 <= acc <= 0.60, acc
     meta = json.loads((ASSET_DIR / "metadata.json").read_text())
     assert abs(acc - meta["base_gold_accuracy_by_guidance"]["1.0"]) < 1e-6  # the shipped number reproduces

@@ -38,8 +38,8 @@ def test_schedule_is_ddim_on_the_linear_ddpm_betas(shipped):
 
 
 def test_shipped_model_draws_the_prompted_digit_well_above_chance(shipped):
-    from pipelines.digits.classifiers import DigitsClassifier
-    from pipelines.digits.data import all_prompts
+    from rewards.digits.classifiers import DigitsClassifier
+    from rewards.digits.data import all_prompts
     from rewards.digits import judge_correct
 
     judge = DigitsClassifier.from_pretrained(ASSET_DIR / "gold_classifier").eval()

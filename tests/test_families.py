@@ -1,8 +1,9 @@
 """One adapter test suite over every model family (tiny random configurations, fp32, CPU).
 
-Each check runs on digits, sd15, digits_eps, sd3 and flux: rollout ↔ training log-prob parity, batch
-invariance, guidance (no unconditional branch at guidance 1; CFG equals a manual two-pass; FLUX: guidance
-goes to the embedding), save → ``model.path`` reload, LoRA targets and the adapters-disabled reference.
+Each check runs on every family (digits, sd15, digits_eps, sd3, flux, wan, qwen_image): rollout ↔ training
+log-prob parity, batch invariance, guidance (no unconditional branch at guidance 1; CFG equals a manual
+two-pass; split and batched CFG agree in outputs and LoRA gradients; FLUX: guidance goes to the embedding),
+save → ``model.path`` reload, LoRA targets and the adapters-disabled reference.
 SD3 and FLUX are also checked against the diffusers pipelines (prompt embeddings, schedule, ODE sampling),
 and the tiny Flow-GRPO recipes of sd3, flux and sd15 train 2 steps through the CLI.
 """
@@ -15,8 +16,9 @@ import math
 import pytest
 import torch
 
-from diffrl.engine import DiffusionEngine, EngineSettings
-from diffrl.rollout import SamplerSettings, sample_trajectories
+from diffrl.config import SamplerConfig
+from diffrl.sampling.rollout import sample_trajectories
+from helpers import make_engine
 from pipelines import build_adapter
 from tests.conftest import randomise_lora
 
@@ -25,6 +27,7 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 FAMILIES = ["digits", "sd15", "digits_eps", "sd3", "flux", "wan", "qwen_image"]
 SIZE = {"digits": 16, "digits_eps": 16, "sd15": 32, "sd3": 32, "flux": 32, "wan": 32, "qwen_image": 32}
 EPSILON = {"sd15", "digits_eps"}
+CFG_FAMILIES = [f for f in FAMILIES if f != "flux"]  # FLUX.1-dev is guidance-distilled: no CFG
 GUIDANCE = 3.0
 _BASE: dict[str, object] = {}
 
@@ -36,11 +39,11 @@ def base(family: str):
     return _BASE[family]
 
 
-def settings(family: str, *, num_steps: int = 3, guidance_scale: float = 1.0, **kw) -> SamplerSettings:
+def settings(family: str, *, num_steps: int = 3, guidance_scale: float = 1.0, **kw) -> SamplerConfig:
     kind = "ddim" if family in EPSILON else "flow_sde"
     noise = 1.0 if family in EPSILON else 0.7
-    return SamplerSettings(
-        num_steps=num_steps, step_kind=kw.pop("step_kind", kind), noise_level=kw.pop("noise_level", noise),
+    return SamplerConfig(
+        num_steps=num_steps, kind=kw.pop("kind", kind), noise_level=kw.pop("noise_level", noise),
         height=SIZE[family], width=SIZE[family], guidance_scale=guidance_scale, **kw,
     )
 
@@ -56,6 +59,16 @@ def negative(cond):
         if key.startswith("negative_"):
             out[key[len("negative_"):]] = cond[key]
     return out
+
+
+def attach_lora(adapter, rank: int = 4) -> None:
+    """A peft LoRA (A seeded, B = 0) on the family's ``lora_target_modules``; the base weights frozen."""
+    from peft import LoraConfig
+
+    adapter.denoiser.requires_grad_(False)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        adapter.denoiser.add_adapter(LoraConfig(r=rank, lora_alpha=rank, lora_dropout=0.0, target_modules=list(adapter.lora_target_modules)))
 
 
 class ForwardRecorder:
@@ -86,7 +99,7 @@ class ForwardRecorder:
 def test_rollout_training_parity_and_batch_invariance(family):
     adapter = build_adapter(family, path=None, seed=0)  # own copy: LoRA is attached
     s = settings(family, guidance_scale=3.5 if family == "flux" else GUIDANCE)
-    engine = DiffusionEngine(adapter, EngineSettings(lora_rank=4), s)
+    engine = make_engine(adapter, s, lora_rank=4)
     engine.initialize()
     randomise_lora(engine.module, scale=0.02)
     p = prompts_of(adapter, 2)
@@ -121,13 +134,13 @@ def test_guidance_one_runs_no_uncond_branch_and_cfg_is_two_pass(family):
         assert not torch.allclose(out1, out3, atol=1e-4)  # the embedding changes the output
         assert set(cond.keys()) == {"prompt_embeds", "pooled_prompt_embeds"}  # no negative prompt is even encoded
         return
-    # guidance 1: conditional only; > 1: one batched [uncond; cond] (SD3's default cfg_mode=split: two forwards)
-    assert [b for b, _ in rec.calls] == ([2, 2, 2] if family == "sd3" else [2, 4])
+    # guidance 1: conditional only; > 1 with the default cfg_mode=split: an unconditional, then a conditional forward
+    assert [b for b, _ in rec.calls] == [2, 2, 2]
     with torch.no_grad():
         uncond = adapter.predict(x, sigma, negative(cond), 1.0)
     expected = uncond + GUIDANCE * (out1 - uncond)
     if family == "qwen_image":  # QwenImagePipeline's true CFG rescales to ‖cond‖ over each packed 2×2 token's channels
-        from pipelines.flux.adapter import pack_latents, unpack_latents
+        from pipelines.latent import pack_latents, unpack_latents
 
         c, e = pack_latents(out1), pack_latents(expected)
         expected = unpack_latents(e * c.norm(dim=-1, keepdim=True) / e.norm(dim=-1, keepdim=True), *x.shape[-2:])
@@ -135,22 +148,27 @@ def test_guidance_one_runs_no_uncond_branch_and_cfg_is_two_pass(family):
     assert not torch.allclose(out1, uncond, atol=1e-4)  # the prompt matters, so the CFG check can fail
 
 
-def test_sd3_split_cfg_equals_batched_cfg_without_uncond_gradients():
-    """SD3's cfg_mode=split (default) and batched give the same guided prediction and the same LoRA
-    gradients; split runs the unconditional branch with autograd off; an unknown mode is refused."""
+@pytest.mark.parametrize("family", CFG_FAMILIES)
+def test_split_cfg_equals_batched_cfg_without_uncond_gradients(family):
+    """cfg_mode=split (default) and batched give the same guided prediction (rtol 1e-5, atol 1e-5: fp32 rounding
+    of a batch of 2 against one of 4) and the same LoRA gradients (rtol 1e-4, atol 1e-6); split runs the
+    unconditional branch with autograd off, so it builds no graph; an unknown mode is refused."""
     adapters = {}
     for mode in ("split", "batched"):
-        adapter = build_adapter("sd3", path=None, seed=0, cfg_mode=mode)
-        engine = DiffusionEngine(adapter, EngineSettings(lora_rank=4), settings("sd3", guidance_scale=GUIDANCE))
-        engine.initialize()
-        randomise_lora(engine.module, scale=0.05, seed=3)
+        adapter = build_adapter(family, path=None, seed=0, cfg_mode=mode)
+        attach_lora(adapter)
+        randomise_lora(adapter.denoiser, scale=0.05, seed=3)
         adapters[mode] = adapter
     cond = adapters["split"].encode_prompts(prompts_of(adapters["split"], 2))
-    x = torch.randn(2, *adapters["split"].latent_shape(32, 32), generator=torch.Generator().manual_seed(1))
+    x = torch.randn(2, *adapters["split"].latent_shape(SIZE[family], SIZE[family]), generator=torch.Generator().manual_seed(1))
     sigma = torch.tensor([0.8, 0.3])
-    outs, grads, grad_modes = {}, {}, []
+    outs, grads, calls = {}, {}, []
+
+    def record(module, args, output):  # each denoiser forward: (mode, batch, grad mode, output carries a graph)
+        calls.append((mode, output[0].shape[0], torch.is_grad_enabled(), output[0].grad_fn is not None))
+
     for mode, adapter in adapters.items():
-        hook = adapter.denoiser.register_forward_pre_hook(lambda *_: grad_modes.append((mode, torch.is_grad_enabled())))
+        hook = adapter.denoiser.register_forward_hook(record)
         try:
             out = adapter.predict(x, sigma, cond, GUIDANCE)
         finally:
@@ -158,14 +176,14 @@ def test_sd3_split_cfg_equals_batched_cfg_without_uncond_gradients():
         out.square().mean().backward()
         outs[mode] = out.detach()
         grads[mode] = {n: p.grad.clone() for n, p in adapter.denoiser.named_parameters() if p.grad is not None}
-    assert grad_modes == [("split", False), ("split", True), ("batched", True)]
+    assert calls == [("split", 2, False, False), ("split", 2, True, True), ("batched", 4, True, True)]
     torch.testing.assert_close(outs["split"], outs["batched"], rtol=1e-5, atol=1e-5)
     assert grads["split"].keys() == grads["batched"].keys() and all("lora_" in n for n in grads["split"])
     for name, g in grads["split"].items():
         torch.testing.assert_close(g, grads["batched"][name], rtol=1e-4, atol=1e-6)
     assert max(g.abs().max().item() for g in grads["split"].values()) > 1e-6  # gradients exist: the check can fail
-    with pytest.raises(ValueError, match="cfg_mode must be one of"):
-        build_adapter("sd3", path=None, seed=0, cfg_mode="fused")
+    with pytest.raises(ValueError, match=r"model.options.cfg_mode must be one of \('split', 'batched'\), got 'fused'"):
+        build_adapter(family, path=None, seed=0, cfg_mode="fused")
 
 
 def save(adapter, folder):
@@ -190,7 +208,7 @@ def test_save_pretrained_then_model_path_reproduces_outputs(family, tmp_path):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_lora_attaches_to_declared_modules_and_reference_equals_base(family):
     adapter = build_adapter(family, path=None, seed=0)
-    engine = DiffusionEngine(adapter, EngineSettings(lora_rank=4), settings(family))
+    engine = make_engine(adapter, settings(family), lora_rank=4)
     engine.initialize()
     wrapped = {n.rsplit(".lora_A", 1)[0] for n, _ in engine.module.named_parameters() if "lora_A" in n}
     assert wrapped and all(any(n == m or n.endswith("." + m) for m in adapter.lora_target_modules) for n in wrapped)
@@ -276,7 +294,8 @@ def test_schedule_matches_the_diffusers_scheduler(family):
 def test_flux_packing_and_position_ids_match_flux_pipeline():
     from diffusers import FluxPipeline
 
-    from pipelines.flux.adapter import latent_image_ids, pack_latents, unpack_latents
+    from pipelines.flux.adapter import latent_image_ids
+    from pipelines.latent import pack_latents, unpack_latents
 
     x = torch.randn(2, 4, 6, 8, generator=torch.Generator().manual_seed(0))
     packed = pack_latents(x)
@@ -290,13 +309,13 @@ def test_flux_packing_and_position_ids_match_flux_pipeline():
 @pytest.mark.parametrize("family", ["sd3", "flux"])
 def test_ode_rollout_matches_the_diffusers_pipeline(family):
     """Deterministic rollout (Euler ODE) from the same initial noise equals the diffusers pipeline's latents."""
-    from pipelines.flux.adapter import pack_latents, unpack_latents
+    from pipelines.latent import pack_latents, unpack_latents
 
     adapter = base(family)
     pipe = diffusers_pipeline(family, adapter)
     p = prompts_of(adapter, 2)
     g = 3.5 if family == "flux" else 4.0
-    s = settings(family, num_steps=4, step_kind="ode", noise_level=0.0, guidance_scale=g)
+    s = settings(family, num_steps=4, kind="ode", noise_level=0.0, guidance_scale=g)
     td = sample_trajectories(adapter, p, settings=s, seeds=[3, 4])
     x0 = td["latents"][:, 0]
     common = dict(num_inference_steps=4, guidance_scale=g, height=32, width=32, output_type="latent", max_sequence_length=adapter.max_sequence_length)
@@ -368,7 +387,7 @@ def test_missing_folder_or_component_is_named(family, tmp_path):
 
 @pytest.mark.parametrize("family", ["sd3", "flux", "sd15", "qwen_image"])
 def test_tiny_flow_grpo_recipe_trains_two_steps(family, tmp_path):
-    from diffrl.cli import main
+    from diffrl.tools.cli import main
 
     out = tmp_path / "run"
     rc = main([

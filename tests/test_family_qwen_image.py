@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from pipelines import build_adapter
-from pipelines.flux.adapter import pack_latents, unpack_latents
+from pipelines.latent import pack_latents, unpack_latents
 from pipelines.qwen_image.adapter import PROMPT_TEMPLATE, PROMPT_TEMPLATE_START_IDX, true_cfg
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -102,11 +102,12 @@ def test_schedule_matches_the_pipeline_scheduler_at_a_given_size():
 def test_ode_rollout_with_true_cfg_matches_the_pipeline(guidance):
     """Euler ODE from the same initial noise: our rollout's final latents equal QwenImagePipeline's (true CFG with
     the negative prompt "" at 4.0; no negative prompt at 1.0), and decode equals the pipeline's images."""
-    from diffrl.rollout import SamplerSettings, sample_trajectories
+    from diffrl.config import SamplerConfig
+    from diffrl.sampling.rollout import sample_trajectories
 
     adapter = base()
     pipe = pipeline(adapter)
-    s = SamplerSettings(num_steps=4, step_kind="ode", noise_level=0.0, height=32, width=32, guidance_scale=guidance)
+    s = SamplerConfig(num_steps=4, kind="ode", noise_level=0.0, height=32, width=32, guidance_scale=guidance)
     td = sample_trajectories(adapter, PROMPTS, settings=s, seeds=[3, 4])
     x0 = td["latents"][:, 0]
     h = x0.shape[-1]
@@ -223,13 +224,17 @@ def test_flops_counter_matches_flop_counter_mode_on_predict():
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
 
-    from diffrl.flops import counter_for_adapter
+    from diffrl.engine.flops import counter_for_adapter
+    from pipelines.flops import qwen_image_forward_flops
 
     adapter = base()
     counter = counter_for_adapter(adapter, 32, 32)
     p = adapter.default_prompts()[0]
     cond = adapter.encode_prompts([p, p])
-    assert counter.n_image == 64 and counter.n_text == int(cond["prompt_embeds_mask"][0].sum())
+    # the family declares its FLOPs: 64 packed latent tokens and the prompt's valid text tokens (not the padding)
+    n_text = int(cond["prompt_embeds_mask"][0].sum())
+    assert n_text < cond["prompt_embeds"].shape[1] and adapter.prompt_tokens() == n_text
+    assert counter.forward_flops(1) == adapter.forward_flops(32, 32) == qwen_image_forward_flops(dict(adapter.denoiser.config), 64, n_text)
     mode = FlopCounterMode(display=False)
     with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), mode:
         adapter.predict(torch.zeros(2, *adapter.latent_shape(32, 32)), torch.full((2,), 0.5), cond, 1.0)
@@ -237,7 +242,7 @@ def test_flops_counter_matches_flop_counter_mode_on_predict():
 
 
 def test_tiny_recipe_trains_two_steps_through_the_cli(tmp_path):
-    from diffrl.cli import main
+    from diffrl.tools.cli import main
 
     out = tmp_path / "run"
     rc = main(["train", "experiment=qwen_image_tiny_flow_grpo", "trainer.wandb=disabled", "trainer.progress=false", f"trainer.output_dir={out}"])
@@ -258,17 +263,17 @@ def test_export_lora_loads_into_qwen_image_pipeline(tmp_path):
     from omegaconf import OmegaConf
 
     from diffrl.checkpoint import save_engine
-    from diffrl.cli import main
-    from diffrl.config import compose
-    from diffrl.engine import DiffusionEngine, EngineSettings
-    from diffrl.rollout import SamplerSettings
+    from diffrl.tools.cli import main
+    from diffrl.recipes import compose
+    from diffrl.config import SamplerConfig
+    from helpers import make_engine
     from tests.conftest import randomise_lora
 
     run = tmp_path / "run"
     run.mkdir()
     (run / "config.yaml").write_text(OmegaConf.to_yaml(compose(["model=qwen_image_tiny", "model.lora.rank=4"])))
     adapter = build_adapter("qwen_image", path=None, seed=0)
-    engine = DiffusionEngine(adapter, EngineSettings(lora_rank=4, lora_alpha=8.0), SamplerSettings(num_steps=2, height=32, width=32))
+    engine = make_engine(adapter, SamplerConfig(num_steps=2, height=32, width=32), lora_rank=4, lora_alpha=8.0)
     engine.initialize()
     randomise_lora(engine.module, scale=0.05, seed=1)
     ckpt = save_engine(engine, run / "checkpoints", global_step=3)

@@ -1,5 +1,6 @@
-"""DiffusionFlopsCounter: the analytic count of every family formula within 5 % of torch's FlopCounterMode,
-on tiny configs and full-size ones (meta tensors), and the MFU arithmetic."""
+"""FLOPs: every architecture formula (``pipelines.flops``) within 5 % of torch's FlopCounterMode on tiny configs and
+full-size ones (meta tensors); every family declares the FLOPs of its own forward (``forward_flops``, LoRA
+included), which ``diffrl.engine.flops.counter_for_adapter`` uses; the MFU arithmetic."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from diffrl.flops import DiffusionFlopsCounter, counter_for_adapter, flux_forward_flops, mmdit_forward_flops, qwen_image_forward_flops, unet2d_forward_flops
+from diffrl.engine.flops import DiffusionFlopsCounter, counter_for_adapter
+from pipelines import build_adapter
+from pipelines.flops import flux_forward_flops, mmdit_forward_flops, qwen_image_forward_flops, unet2d_forward_flops
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -130,12 +133,10 @@ def test_unet_formula_matches_flop_counter_tiny_and_sd15():
 
 
 def test_counter_for_the_digits_adapter_with_lora_and_mfu(tiny_adapter):
-    from diffrl.engine import DiffusionEngine, EngineSettings
-    from diffrl.rollout import SamplerSettings
+    from peft import LoraConfig
 
     counter = counter_for_adapter(tiny_adapter, 16, 16, lora_rank=8, device_name="NVIDIA H200")
-    engine = DiffusionEngine(tiny_adapter, EngineSettings(lora_rank=8), SamplerSettings(num_steps=2))
-    engine.initialize()
+    tiny_adapter.denoiser.add_adapter(LoraConfig(r=8, lora_alpha=8, lora_dropout=0.0, target_modules=list(tiny_adapter.lora_target_modules)))
     cond = tiny_adapter.encode_prompts(["a red seven"] * 2)
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -148,13 +149,57 @@ def test_counter_for_the_digits_adapter_with_lora_and_mfu(tiny_adapter):
     assert counter.train_flops(4, 10, guidance_scale=2.0, extra_forwards=1) == pytest.approx(5 * counter.forward_flops(40))
     assert counter.peak_flops == 989e12
     assert counter.mfu(989e12 * 0.5, 1.0) == pytest.approx(0.5)
-    assert DiffusionFlopsCounter("mmdit", {}, 1, 1, peak_flops=None).mfu(1.0, 1.0) is None
-    with pytest.raises(ValueError, match="unknown FLOPs formula"):
-        DiffusionFlopsCounter("dit", {}, 1, 1)
+    assert DiffusionFlopsCounter(1.0, peak_flops=None).mfu(1.0, 1.0) is None
+    with pytest.raises(ValueError, match="sample_flops must be > 0"):
+        DiffusionFlopsCounter(0.0)
+
+
+FAMILY_SIZES = {"digits": 16, "digits_eps": 16, "sd15": 32, "sd3": 32, "flux": 32, "wan": 32, "qwen_image": 32}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_SIZES))
+def test_every_family_declares_the_flops_of_its_forward(family):
+    """``adapter.forward_flops`` (one conditional forward, one sample, LoRA rank 4 attached) within 5 % of what
+    FlopCounterMode counts in ``predict`` at guidance 1, and ``counter_for_adapter`` takes exactly that number."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from peft import LoraConfig
+
+    size = FAMILY_SIZES[family]
+    adapter = build_adapter(family, path=None, seed=0)
+    declared = adapter.forward_flops(size, size, lora_rank=4)
+    assert declared > adapter.forward_flops(size, size) > 0  # LoRA adds its matmuls
+    adapter.denoiser.add_adapter(LoraConfig(r=4, lora_alpha=4, lora_dropout=0.0, target_modules=list(adapter.lora_target_modules)))
+    cond = adapter.encode_prompts(adapter.default_prompts()[:1] * 2)
+    mode = FlopCounterMode(display=False)
+    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), mode:
+        adapter.predict(torch.zeros(2, *adapter.latent_shape(size, size)), torch.full((2,), 0.5), cond, 1.0)
+    assert 2 * declared == pytest.approx(mode.get_total_flops(), rel=0.05)
+    assert counter_for_adapter(adapter, size, size, lora_rank=4).forward_flops(2) == 2 * declared
+
+
+def test_a_family_without_a_formula_is_refused_by_name():
+    from pipelines.base import ModelAdapter
+
+    class NoFormula(ModelAdapter):
+        def encode_prompts(self, prompts):
+            raise NotImplementedError
+
+        def latent_shape(self, height, width):
+            return (3, height, width)
+
+        def _forward(self, latents, sigma, cond):
+            return latents
+
+        def decode(self, latents):
+            return latents
+
+    with pytest.raises(ValueError, match="NoFormula declares no FLOPs formula"):
+        counter_for_adapter(NoFormula(), 16, 16)
 
 
 def test_trainer_logs_mfu_and_images_per_second(tmp_path):
-    from diffrl.config import compose
+    from diffrl.recipes import compose
     from diffrl.trainer import Trainer
 
     prompts = tmp_path / "p.txt"

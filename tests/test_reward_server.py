@@ -61,7 +61,7 @@ def jpeg_server():
 
 def test_sixteen_concurrent_clients_get_local_scores():
     """16 clients (batch sizes 1..4, 6 images each) at once against a ``digits`` server == the reward called locally."""
-    from pipelines.digits.data import all_prompts
+    from rewards.digits.data import all_prompts
 
     local = build_reward("digits")
     prompts_all = all_prompts()

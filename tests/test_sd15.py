@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diffrl.engine import DiffusionEngine, EngineSettings
-from diffrl.rollout import SamplerSettings, sample_trajectories
+from diffrl.config import SamplerConfig
+from diffrl.sampling.rollout import sample_trajectories
+from helpers import make_engine
 from pipelines.sd15.adapter import SD15Adapter, alphas_cumprod, build_tiny_components, save_pipeline
 from tests.conftest import randomise_lora
 
@@ -33,7 +34,7 @@ def test_schedule_is_ddim_leading_spacing_on_the_scaled_linear_betas(sd15):
 def test_ddim_step_matches_diffusers_ddim_scheduler(sd15):
     from diffusers import DDIMScheduler
 
-    from diffrl.sde import ddim_step
+    from diffrl.sampling.sde import ddim_step
 
     reference = DDIMScheduler(**{k: v for k, v in sd15.scheduler_config.items() if not k.startswith("_")})
     reference.set_timesteps(10)
@@ -56,8 +57,8 @@ def test_ddim_step_matches_diffusers_ddim_scheduler(sd15):
 
 def test_rollout_training_parity_and_batch_invariance():
     sd15 = SD15Adapter(path=None, seed=0)  # its own copy: LoRA is attached below
-    settings = SamplerSettings(num_steps=3, step_kind="ddim", noise_level=1.0, height=32, width=32, guidance_scale=3.0)
-    engine = DiffusionEngine(sd15, EngineSettings(lora_rank=4), settings)
+    settings = SamplerConfig(num_steps=3, kind="ddim", noise_level=1.0, height=32, width=32, guidance_scale=3.0)
+    engine = make_engine(sd15, settings, lora_rank=4)
     engine.initialize()
     randomise_lora(engine.module, scale=0.02)
     prompts = ["a cat", "a cat", "a dog", "a dog"]
@@ -77,7 +78,7 @@ def test_rollout_training_parity_and_batch_invariance():
 def test_save_pretrained_then_model_path_reproduces_outputs(tmp_path, sd15):
     folder = save_pipeline(build_tiny_components(seed=0), tmp_path / "sd15")
     loaded = SD15Adapter(path=str(folder))
-    settings = SamplerSettings(num_steps=2, step_kind="ddim", noise_level=0.0, height=32, width=32)
+    settings = SamplerConfig(num_steps=2, kind="ddim", noise_level=0.0, height=32, width=32)
     a = sample_trajectories(sd15, ["a horse"], settings=settings, seeds=[1])
     b = sample_trajectories(loaded, ["a horse"], settings=settings, seeds=[1])
     assert torch.equal(a["images"], b["images"])
@@ -90,7 +91,7 @@ def test_save_pretrained_then_model_path_reproduces_outputs(tmp_path, sd15):
 
 def test_lora_attaches_to_attention_and_reference_equals_base(sd15):
     adapter = SD15Adapter(path=None, seed=0)
-    engine = DiffusionEngine(adapter, EngineSettings(lora_rank=4), SamplerSettings(num_steps=2))
+    engine = make_engine(adapter, SamplerConfig(num_steps=2), lora_rank=4)
     engine.initialize()
     names = [n for n, _ in engine.module.named_parameters() if "lora_A" in n]
     assert names and all(any(f".{m}." in n for m in adapter.lora_target_modules) for n in names)
@@ -104,15 +105,15 @@ def test_lora_attaches_to_attention_and_reference_equals_base(sd15):
     assert not torch.allclose(adapter.predict(x, sigma, cond, 1.0), base, atol=1e-4)
 
 def test_flow_step_kinds_refuse_an_epsilon_model(sd15):
-    with pytest.raises(ValueError, match="sampler.step_kind=ddim"):
-        sample_trajectories(sd15, ["a cat"], settings=SamplerSettings(num_steps=2, step_kind="flow_sde", height=32, width=32), seeds=[0])
+    with pytest.raises(ValueError, match="sampler.kind=ddim"):
+        sample_trajectories(sd15, ["a cat"], settings=SamplerConfig(num_steps=2, kind="flow_sde", height=32, width=32), seeds=[0])
 
 
 
 def test_ddim_clip_sample_matches_diffusers_and_is_selectable(sd15):
     from diffusers import DDIMScheduler
 
-    from diffrl.sde import run_step
+    from diffrl.sampling.sde import run_step
 
     config = {k: v for k, v in sd15.scheduler_config.items() if not k.startswith("_")}
     reference = DDIMScheduler(**{**config, "clip_sample": True, "clip_sample_range": 1.0})
@@ -127,7 +128,7 @@ def test_ddim_clip_sample_matches_diffusers_and_is_selectable(sd15):
         assert ours.x0.abs().max() <= 1.0 and theirs.pred_original_sample.abs().max() <= 1.0
     unclipped = run_step("ddim", eps, x, sigmas[0].item(), sigmas[1].item(), noise_level=0.0, prediction_type="epsilon")
     assert unclipped.x0.abs().max() > 1.0  # the clamp was active
-    settings = SamplerSettings(num_steps=2, step_kind="ddim", noise_level=1.0, clip_sample=1.0, height=32, width=32)
-    engine = DiffusionEngine(sd15, EngineSettings(lora_rank=0), settings)
+    settings = SamplerConfig(num_steps=2, kind="ddim", noise_level=1.0, clip_sample=1.0, height=32, width=32)
+    engine = make_engine(sd15, settings, lora_rank=0)
     td = sample_trajectories(sd15, ["a cat", "a dog"], settings=settings, seeds=[1, 2])
     assert torch.equal(engine.infer_batch(td)["log_probs"], td["log_probs"])  # rollout and training clip alike

@@ -47,10 +47,10 @@ class RewardAdvantages:
     """Rewards → advantages: group-relative statistics of the (weighted) rewards, or DDPO's per-prompt
     stat tracker; clipped to ``±adv_clip_max``."""
 
-    def __init__(self, config: PolicyGradientConfig, reward_weights: dict[str, float]):
+    def __init__(self, config: AlgorithmConfig, reward_weights: dict[str, float], tracker: PerPromptStatTracker | None = None):
         self.config = config
         self.weights = reward_weights
-        self.tracker = PerPromptStatTracker(config.adv_tracker_buffer, config.adv_tracker_min_count) if config.adv_stat_tracker else None
+        self.tracker = tracker
 
     def __call__(self, scores: dict, group_id: torch.Tensor, prompts: list[str]) -> torch.Tensor:
         a = self.config
@@ -75,7 +75,8 @@ class PolicyGradient(Algorithm):
 
     def __init__(self, config: PolicyGradientConfig, run):
         super().__init__(config, run)
-        self.advantages = RewardAdvantages(config, run.reward_weights)
+        tracker = PerPromptStatTracker(config.adv_tracker_buffer, config.adv_tracker_min_count) if config.adv_stat_tracker else None
+        self.advantages = RewardAdvantages(config, run.reward_weights, tracker)
 
     def objective(self):
         a = self.config

@@ -22,7 +22,7 @@ from diffrl.config import ModelConfig, OptimConfig, SamplerConfig
 from diffrl.distributed.controller import Dispatch, register
 from diffrl.engine import lora
 from diffrl.engine.engine import DiffusionEngine
-from diffrl.flops import counter_for_adapter
+from diffrl.engine.flops import counter_for_adapter
 from diffrl.sampling.evaluation import deterministic_settings
 from diffrl.sampling.rollout import sample_trajectories
 from pipelines import build_adapter

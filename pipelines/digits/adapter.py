@@ -1,6 +1,6 @@
 """The digits family: a tiny diffusers ``SD3Transformer2DModel`` in pixel space + a tiny text encoder.
 
-Folder layout (what ``pipelines/digits/pretrain.py`` writes and ``model.path`` points at)::
+Folder layout (what ``scripts/pretrain_digits.py`` writes and ``model.path`` points at)::
 
     <path>/transformer/    diffusers save_pretrained (config.json + diffusion_pytorch_model.safetensors)
     <path>/text_encoder/   config.json + model.safetensors (DigitsTextEncoder)
@@ -15,9 +15,10 @@ from pathlib import Path
 import torch
 from tensordict import TensorDict
 
-from pipelines.base import ModelAdapter, register_family
-from pipelines.digits.data import all_prompts
+from pipelines.base import ModelAdapter, check_cfg_mode, register_family, torch_dtype
 from pipelines.digits.text_encoder import DigitsTextEncoder
+from pipelines.flops import mmdit_forward_flops
+from rewards.digits.data import all_prompts
 
 # the shipped miniature's architecture; also the tiny random config used when no path is given
 TRANSFORMER_CONFIG = dict(
@@ -33,15 +34,6 @@ TRANSFORMER_CONFIG = dict(
     pooled_projection_dim=32,
     pos_embed_max_size=16,
 )
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def _dtype(name: str) -> torch.dtype:
-    if name not in _DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(_DTYPES)}")
-    return _DTYPES[name]
-
 
 def build_transformer(seed: int = 0):
     from diffusers import SD3Transformer2DModel
@@ -60,6 +52,8 @@ class DigitsAdapter(ModelAdapter):
         dtype: denoiser dtype (``float32`` | ``bfloat16`` | ``float16``).
         device: torch device string.
         seed: init seed of the random configuration (only with ``path=None``).
+        cfg_mode: how a guided ``predict`` runs its two branches (``split`` | ``batched``, see
+            :meth:`ModelAdapter.predict`).
     """
 
     prediction_type = "flow"
@@ -69,7 +63,9 @@ class DigitsAdapter(ModelAdapter):
         "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",
     ]
 
-    def __init__(self, path: str | None = None, dtype: str = "float32", device: str = "cpu", seed: int = 0):
+    def __init__(self, path: str | None = None, dtype: str = "float32", device: str = "cpu", seed: int = 0, cfg_mode: str = "split"):
+        dtype_ = torch_dtype(dtype)
+        self.cfg_mode = check_cfg_mode(cfg_mode)
         if path is None:
             transformer = build_transformer(seed)
             with torch.random.fork_rng(devices=[]):
@@ -82,7 +78,7 @@ class DigitsAdapter(ModelAdapter):
             if not folder.is_dir():
                 raise FileNotFoundError(
                     f"digits model folder {folder} does not exist; set model.path to a folder made by "
-                    "`python -m pipelines.digits.pretrain` (the shipped one is assets/digits)"
+                    "`python scripts/pretrain_digits.py` (the shipped one is assets/digits)"
                 )
             for part in ("transformer/config.json", "transformer/diffusion_pytorch_model.safetensors"):
                 if not (folder / part).is_file():
@@ -90,11 +86,10 @@ class DigitsAdapter(ModelAdapter):
             transformer = SD3Transformer2DModel.from_pretrained(str(folder / "transformer"), local_files_only=True)
             text_encoder = DigitsTextEncoder.from_pretrained(folder / "text_encoder")
         transformer = transformer.to(device)
-        if _dtype(dtype) != torch.float32:
-            transformer = transformer.to(dtype=_dtype(dtype))
+        if dtype_ != torch.float32:
+            transformer = transformer.to(dtype=dtype_)
         self.denoiser = transformer
         self.text_encoder = text_encoder.to(device).eval().requires_grad_(False)
-        self._uncond: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # -- protocol -----------------------------------------------------------------------------
     def encode_prompts(self, prompts: list[str]) -> TensorDict:
@@ -119,19 +114,6 @@ class DigitsAdapter(ModelAdapter):
     def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
         return (3, height, width)
 
-    def predict(self, latents: torch.Tensor, sigma: torch.Tensor, cond: TensorDict, guidance_scale: float) -> torch.Tensor:
-        dtype = next(self.denoiser.parameters()).dtype
-        sigma = torch.as_tensor(sigma, dtype=torch.float32, device=latents.device).expand(latents.shape[0])
-        if guidance_scale == 1.0:
-            return self._forward(latents.to(dtype), sigma, cond["prompt_embeds"], cond["pooled_prompt_embeds"])
-        out = self._forward(
-            torch.cat([latents, latents]).to(dtype),
-            torch.cat([sigma, sigma]),
-            torch.cat([cond["negative_prompt_embeds"], cond["prompt_embeds"]]),
-            torch.cat([cond["negative_pooled_prompt_embeds"], cond["pooled_prompt_embeds"]]),
-        )
-        return self.combine_guidance(out, guidance_scale)
-
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         return ((latents.float() + 1.0) / 2.0).clamp(0.0, 1.0)
 
@@ -139,13 +121,19 @@ class DigitsAdapter(ModelAdapter):
         """Pixel space: the inverse of :meth:`decode` on [0, 1] images."""
         return images.float() * 2.0 - 1.0
 
-    # -- helpers --------------------------------------------------------------------------------
-    def _forward(self, x, sigma, seq, pooled) -> torch.Tensor:
+    def _forward(self, latents: torch.Tensor, sigma: torch.Tensor, cond) -> torch.Tensor:
         return self.denoiser(
-            hidden_states=x, encoder_hidden_states=seq, pooled_projections=pooled, timestep=1000.0 * sigma,
-            return_dict=False,
+            hidden_states=latents, encoder_hidden_states=cond["prompt_embeds"], pooled_projections=cond["pooled_prompt_embeds"],
+            timestep=1000.0 * sigma, return_dict=False,
         )[0]
 
+    def forward_flops(self, height: int, width: int, *, lora_rank: int = 0) -> float:
+        """:func:`pipelines.flops.mmdit_forward_flops` over the ``(H/p)·(W/p)`` pixel patches and the prompt's tokens."""
+        _, h, w = self.latent_shape(height, width)
+        p = int(self.denoiser.config.patch_size)
+        return mmdit_forward_flops(dict(self.denoiser.config), (h // p) * (w // p), self.prompt_tokens(), lora_rank)
+
+    # -- helpers --------------------------------------------------------------------------------
     @staticmethod
     def images_to_latents(images: torch.Tensor) -> torch.Tensor:
         """Float images in [0, 1] → latents in [-1, 1] (pixel space)."""

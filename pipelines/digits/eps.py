@@ -2,9 +2,9 @@
 
 A tiny diffusers ``UNet2DConditionModel`` in pixel space (``[B, 3, 16, 16]`` in [-1, 1]) predicting ε on a
 DDPM schedule (linear β from 1e-4 to 0.02, 1000 steps, Ho et al. 2020), cross-attending to the digits
-text encoder's token sequence. Sampled with DDIM (``sampler.step_kind=ddim``, η = ``sampler.noise_level``).
+text encoder's token sequence. Sampled with DDIM (``sampler.kind=ddim``, η = ``sampler.noise_level``).
 
-Folder layout (what ``python -m pipelines.digits.pretrain_eps`` writes; the shipped one is
+Folder layout (what ``python scripts/pretrain_digits_eps.py`` writes; the shipped one is
 ``assets/digits_eps``)::
 
     <path>/unet/           diffusers save_pretrained
@@ -20,10 +20,11 @@ from pathlib import Path
 import torch
 from tensordict import TensorDict
 
-from pipelines.base import ModelAdapter, register_family
+from pipelines.base import ModelAdapter, check_cfg_mode, register_family, torch_dtype
 from pipelines.ddpm import DDPMSchedule
-from pipelines.digits.data import all_prompts
 from pipelines.digits.text_encoder import DigitsTextEncoder
+from pipelines.flops import unet2d_forward_flops
+from rewards.digits.data import all_prompts
 
 UNET_CONFIG = dict(
     sample_size=16, in_channels=3, out_channels=3, layers_per_block=2, block_out_channels=(32, 64, 64),
@@ -36,7 +37,6 @@ SCHEDULER_CONFIG = {
     "beta_schedule": "linear", "steps_offset": 1, "set_alpha_to_one": False, "prediction_type": "epsilon",
     "clip_sample": True, "clip_sample_range": 1.0, "timestep_spacing": "leading",
 }
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def build_unet(seed: int = 0, **overrides):
@@ -54,14 +54,16 @@ class DigitsEpsAdapter(DDPMSchedule, ModelAdapter):
     Args:
         path: local folder (``unet/``, ``text_encoder/``, ``scheduler/``); ``None`` builds random weights.
         dtype: UNet dtype; device: torch device; seed: init seed of the random configuration.
+        cfg_mode: how a guided ``predict`` runs its two branches (``split`` | ``batched``, see
+            :meth:`ModelAdapter.predict`).
     """
 
     prediction_type = "epsilon"
     lora_target_modules = ["to_q", "to_k", "to_v", "to_out.0"]
 
-    def __init__(self, path: str | None = None, dtype: str = "float32", device: str = "cpu", seed: int = 0):
-        if dtype not in _DTYPES:
-            raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(_DTYPES)}")
+    def __init__(self, path: str | None = None, dtype: str = "float32", device: str = "cpu", seed: int = 0, cfg_mode: str = "split"):
+        dtype_ = torch_dtype(dtype)
+        self.cfg_mode = check_cfg_mode(cfg_mode)
         if path is None:
             unet = build_unet(seed)
             with torch.random.fork_rng(devices=[]):
@@ -75,7 +77,7 @@ class DigitsEpsAdapter(DDPMSchedule, ModelAdapter):
             if not folder.is_dir():
                 raise FileNotFoundError(
                     f"digits_eps model folder {folder} does not exist; set model.path to a folder made by "
-                    "`python -m pipelines.digits.pretrain_eps` (the shipped one is assets/digits_eps)"
+                    "`python scripts/pretrain_digits_eps.py` (the shipped one is assets/digits_eps)"
                 )
             for part in ("unet/config.json", "text_encoder/config.json", "scheduler/scheduler_config.json"):
                 if not (folder / part).is_file():
@@ -84,7 +86,7 @@ class DigitsEpsAdapter(DDPMSchedule, ModelAdapter):
             text_encoder = DigitsTextEncoder.from_pretrained(folder / "text_encoder")
             scheduler = json.loads((folder / "scheduler" / "scheduler_config.json").read_text())
         unet = unet.to(device)
-        self.denoiser = unet if dtype == "float32" else unet.to(dtype=_DTYPES[dtype])
+        self.denoiser = unet if dtype_ == torch.float32 else unet.to(dtype=dtype_)
         self.text_encoder = text_encoder.to(device).eval().requires_grad_(False)
         self._init_schedule(scheduler)
 
@@ -105,17 +107,14 @@ class DigitsEpsAdapter(DDPMSchedule, ModelAdapter):
     def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
         return (3, height, width)
 
-    def predict(self, latents: torch.Tensor, sigma: torch.Tensor, cond: TensorDict, guidance_scale: float) -> torch.Tensor:
-        dtype = next(self.denoiser.parameters()).dtype
-        sigma = torch.as_tensor(sigma, dtype=torch.float32, device=latents.device).expand(latents.shape[0])
-        t = self.timestep(sigma)
-        if guidance_scale == 1.0:
-            return self.denoiser(latents.to(dtype), t, encoder_hidden_states=cond["prompt_embeds"], return_dict=False)[0]
-        out = self.denoiser(
-            torch.cat([latents, latents]).to(dtype), torch.cat([t, t]),
-            encoder_hidden_states=torch.cat([cond["negative_prompt_embeds"], cond["prompt_embeds"]]), return_dict=False,
-        )[0]
-        return self.combine_guidance(out, guidance_scale)
+    def _forward(self, latents: torch.Tensor, sigma: torch.Tensor, cond) -> torch.Tensor:
+        """ε at the training timestep nearest to each ``sigma`` (:meth:`DDPMSchedule.timestep`)."""
+        return self.denoiser(latents, self.timestep(sigma), encoder_hidden_states=cond["prompt_embeds"], return_dict=False)[0]
+
+    def forward_flops(self, height: int, width: int, *, lora_rank: int = 0) -> float:
+        """:func:`pipelines.flops.unet2d_forward_flops` at the pixel size and the prompt's tokens."""
+        _, h, w = self.latent_shape(height, width)
+        return unet2d_forward_flops(dict(self.denoiser.config), h, w, self.prompt_tokens(), lora_rank)
 
     def forward_train(self, x_t: torch.Tensor, t: torch.Tensor, seq: torch.Tensor) -> torch.Tensor:
         """ε prediction at integer training timesteps ``t`` (pretraining)."""

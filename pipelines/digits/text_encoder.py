@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pipelines.digits.data import COLOUR_NAMES, DIGIT_WORDS
-from pipelines.digits.io import JsonSafetensorsMixin
+from rewards.digits.data import COLOUR_NAMES, DIGIT_WORDS
+from rewards.digits.io import JsonSafetensorsMixin
 
 PAD = "<pad>"
 DEFAULT_VOCAB = [PAD, "a", *COLOUR_NAMES, *DIGIT_WORDS]

@@ -2,7 +2,7 @@
 prediction) on 2×2-packed latents, an ``AutoencoderKL`` with ``shift_factor``/``scaling_factor``, CLIP-L
 (pooled output only) and T5 (sequence), as ``diffusers.FluxPipeline`` builds them.
 
-* Latents are kept unpacked, ``[C, h, w]`` with ``h = H / vae_factor`` (even); :meth:`FluxAdapter.predict`
+* Latents are kept unpacked, ``[C, h, w]`` with ``h = H / vae_factor`` (even); :meth:`FluxAdapter._forward`
   packs them into ``[(h/2)·(w/2), 4C]`` tokens (FluxPipeline's ``_pack_latents``), builds the latent image
   ids (``[…, 1] = row``, ``[…, 2] = column`` of the 2×2 patch) and zero text ids, and unpacks the output.
   Log-probs average over non-batch dims, so packing or not changes nothing there.
@@ -28,13 +28,11 @@ from pathlib import Path
 import torch
 from tensordict import TensorDict
 
-from diffrl.schedules import shifted_sigmas
-from pipelines.base import register_family
-from pipelines.sd3.adapter import (
-    TINY_CLIP, LatentFlowFamily, _check_folder, _dtype, _load_common, _load_tokenizer, build_tiny_t5,
-    build_tiny_t5_tokenizer, build_tiny_vae, own_memory,
-)
-from pipelines.sd15.adapter import build_tiny_tokenizer
+from pipelines.base import register_family, torch_dtype
+from pipelines.flops import flux_forward_flops
+from pipelines.latent import LatentFlowFamily, check_folder, load_common, load_tokenizer, own_memory, pack_latents, unpack_latents
+from pipelines.schedules import calculate_shift, shifted_sigmas
+from pipelines.tiny import TINY_CLIP, build_tiny_t5, build_tiny_t5_tokenizer, build_tiny_tokenizer, build_tiny_vae
 
 # FLUX.1-dev's scheduler config (dynamic shifting)
 FLUX_SCHEDULER_CONFIG = {
@@ -48,29 +46,6 @@ TINY_FLUX_TRANSFORMER = dict(
     joint_attention_dim=80, pooled_projection_dim=32, guidance_embeds=True, axes_dims_rope=(4, 4, 8),
 )
 FLUX_COMPONENTS = ("transformer", "vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2", "scheduler")
-
-
-def calculate_shift(image_seq_len: int, config: dict) -> float:
-    """FluxPipeline's ``calculate_shift``: ``μ = m·L + b`` through (``base_image_seq_len``, ``base_shift``)
-    and (``max_image_seq_len``, ``max_shift``) of the scheduler config."""
-    base_len, max_len = config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096)
-    base_shift, max_shift = config.get("base_shift", 0.5), config.get("max_shift", 1.15)
-    m = (max_shift - base_shift) / (max_len - base_len)
-    return image_seq_len * m + (base_shift - m * base_len)
-
-
-def pack_latents(latents: torch.Tensor) -> torch.Tensor:
-    """``[B, C, h, w]`` → ``[B, (h/2)·(w/2), 4C]`` (FluxPipeline's ``_pack_latents``)."""
-    b, c, h, w = latents.shape
-    x = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
-    return x.reshape(b, (h // 2) * (w // 2), c * 4)
-
-
-def unpack_latents(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
-    """Inverse of :func:`pack_latents` for latents of height ``h`` and width ``w``."""
-    b, _, d = tokens.shape
-    x = tokens.view(b, h // 2, w // 2, d // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
-    return x.reshape(b, d // 4, h, w)
 
 
 def latent_image_ids(h: int, w: int, device=None, dtype=torch.float32) -> torch.Tensor:
@@ -102,12 +77,12 @@ def load_flux_components(path: str | Path) -> dict:
     from transformers import CLIPTextModel, T5EncoderModel
 
     folder = Path(path)
-    _check_folder(folder, "FLUX", FLUX_COMPONENTS)
-    parts = _load_common(folder, "FLUX", "FluxTransformer2DModel")
+    check_folder(folder, "FLUX", FLUX_COMPONENTS)
+    parts = load_common(folder, "FLUX", "FluxTransformer2DModel")
     parts["text_encoder"] = own_memory(CLIPTextModel.from_pretrained(str(folder / "text_encoder"), local_files_only=True))
     parts["text_encoder_2"] = own_memory(T5EncoderModel.from_pretrained(str(folder / "text_encoder_2"), local_files_only=True))
-    parts["tokenizer"] = _load_tokenizer(folder, "tokenizer", clip=True)
-    parts["tokenizer_2"] = _load_tokenizer(folder, "tokenizer_2", clip=False)
+    parts["tokenizer"] = load_tokenizer(folder, "tokenizer", clip=True)
+    parts["tokenizer_2"] = load_tokenizer(folder, "tokenizer_2", clip=False)
     return parts
 
 
@@ -142,7 +117,7 @@ class FluxAdapter(LatentFlowFamily):
         decode_chunk: int = 16, drop_text_encoders: bool = False, max_sequence_length: int = 512,
         sample_size: int | None = None,
     ):
-        _dtype(dtype)
+        torch_dtype(dtype)
         parts = build_tiny_flux_components(seed) if path is None else load_flux_components(path)
         self._setup(parts, dtype, device, decode_chunk, drop_text_encoders)
         self.max_sequence_length = min(int(max_sequence_length), int(self.tokenizers["tokenizer_2"].model_max_length))
@@ -187,25 +162,32 @@ class FluxAdapter(LatentFlowFamily):
         return (self.latent_channels, h, w)
 
     def predict(self, latents: torch.Tensor, sigma: torch.Tensor, cond: TensorDict, guidance_scale: float) -> torch.Tensor:
-        """One forward for any ``guidance_scale``: it goes to the guidance embedding (no CFG batch)."""
-        dtype = next(self.denoiser.parameters()).dtype
-        b, _, h, w = latents.shape
-        sigma = torch.as_tensor(sigma, dtype=torch.float32, device=latents.device).expand(b)
-        if self.guidance_embeds:
-            guidance = torch.full((b,), float(guidance_scale), dtype=torch.float32, device=latents.device)
-        elif guidance_scale != 1.0:
+        """One forward for any ``guidance_scale``: guidance-distilled FLUX takes it as the input of its guidance
+        embedding, so no unconditional branch ever runs (this replaces :class:`ModelAdapter`'s CFG template)."""
+        if not self.guidance_embeds and guidance_scale != 1.0:
             raise ValueError(
                 f"FLUX: this transformer has no guidance embedding (FLUX.1-schnell-like) and FLUX runs no CFG; "
                 f"set sampler.guidance_scale=1.0 (got {guidance_scale})"
             )
-        else:
-            guidance = None
+        x = latents.to(next(self.denoiser.parameters()).dtype)
+        sigma = torch.as_tensor(sigma, dtype=torch.float32, device=latents.device).expand(latents.shape[0])
+        return self._forward(x, sigma, cond, guidance_scale)
+
+    def _forward(self, latents: torch.Tensor, sigma: torch.Tensor, cond, guidance_scale: float = 1.0) -> torch.Tensor:
+        """One transformer call on the packed latents; ``guidance_scale`` feeds the guidance embedding (if any)."""
+        b, _, h, w = latents.shape
+        dtype, device = latents.dtype, latents.device
+        guidance = torch.full((b,), float(guidance_scale), dtype=torch.float32, device=device).to(dtype) if self.guidance_embeds else None
         seq = cond["prompt_embeds"]
         out = self.denoiser(
-            hidden_states=pack_latents(latents.to(dtype)), timestep=sigma.to(dtype),
-            guidance=None if guidance is None else guidance.to(dtype),
+            hidden_states=pack_latents(latents), timestep=sigma.to(dtype), guidance=guidance,
             pooled_projections=cond["pooled_prompt_embeds"], encoder_hidden_states=seq,
-            txt_ids=torch.zeros(seq.shape[1], 3, device=latents.device, dtype=dtype),
-            img_ids=latent_image_ids(h, w, latents.device, dtype), return_dict=False,
+            txt_ids=torch.zeros(seq.shape[1], 3, device=device, dtype=dtype),
+            img_ids=latent_image_ids(h, w, device, dtype), return_dict=False,
         )[0]
         return unpack_latents(out, h, w)
+
+    def forward_flops(self, height: int, width: int, *, lora_rank: int = 0) -> float:
+        """:func:`pipelines.flops.flux_forward_flops` over the ``(h/2)·(w/2)`` packed latent tokens and the T5 tokens."""
+        _, h, w = self.latent_shape(height, width)
+        return flux_forward_flops(dict(self.denoiser.config), h * w // 4, self.prompt_tokens(), lora_rank)

@@ -11,20 +11,20 @@
   truncates to ``max_sequence_length`` (512 in ``__call__``).
 * Storage vs. forward: the pipeline pads to the batch's longest prompt; the conditioning TensorDict here is
   padded to exactly ``max_sequence_length`` (its first tokens equal the pipeline's), because rollouts encode
-  one prompt per call and concatenate conditionings of different batches. :meth:`QwenImageAdapter.predict`
+  one prompt per call and concatenate conditionings of different batches. :meth:`QwenImageAdapter._forward`
   cuts the text to the batch's longest valid prompt before the transformer, so the compute is the
   pipeline's. The transformer takes the mask as ``encoder_hidden_states_mask`` (padding keys are masked out
   of the joint attention; text RoPE positions start after the image's, so padding at the end changes the
   image tokens only by float rounding); as the pipeline does, an all-ones mask is passed as ``None``.
 * Latents are kept unpacked, ``[C, h, w]`` with ``h = H / vae_factor`` (even), ``vae_factor =
-  2^len(temperal_downsample)``; :meth:`QwenImageAdapter.predict` packs them into ``[(h/2)·(w/2), 4C]``
+  2^len(temperal_downsample)``; :meth:`QwenImageAdapter._forward` packs them into ``[(h/2)·(w/2), 4C]``
   tokens (``_pack_latents``, the same 2×2 packing as FLUX) with ``img_shapes = [(1, h/2, w/2)]`` per sample.
 * Timestep: the pipeline passes ``t/1000 = σ``; the transformer's projection multiplies by 1000.
 * True CFG (``true_cfg_scale``, a real negative prompt, the empty string by default):
   ``comb = neg + s·(cond − neg)``, then ``comb·‖cond‖/‖comb‖`` with the norms over the last dim of the packed
-  output (the ``4C`` channels of each 2×2 token). Both branches run as ONE batched forward: the shorter text
-  is zero-padded and masked, which the joint-attention mask makes exact up to float rounding. In training
-  the negative branch is detached (as :meth:`ModelAdapter.combine_guidance`).
+  output (the ``4C`` channels of each 2×2 token), in :meth:`QwenImageAdapter.combine_guidance`. The branches
+  run as :meth:`ModelAdapter.predict` runs them (``cfg_mode``); batched, the shorter text is zero-padded and
+  masked, which the joint-attention mask makes exact up to float rounding. The negative branch is detached.
 * Schedule: ``linspace(1, 1/K, K)`` time-shifted with ``μ = calculate_shift((h/2)·(w/2))`` from the scheduler
   config (exponential: ``σ' = e^μ / (e^μ + 1/σ − 1)``), stretched so the last sigma is ``shift_terminal``
   when the config sets one (``1 − σ'' = (1 − σ')·(1 − shift_terminal)/(1 − σ'_K)``), then a final 0
@@ -44,9 +44,10 @@ from pathlib import Path
 import torch
 from tensordict import TensorDict
 
-from pipelines.base import register_family
-from pipelines.flux.adapter import pack_latents, unpack_latents
-from pipelines.sd3.adapter import LatentFlowFamily, _check_folder, _dtype, _load_common, own_memory
+from pipelines.base import check_cfg_mode, register_family, torch_dtype
+from pipelines.flops import qwen_image_forward_flops
+from pipelines.latent import LatentFlowFamily, check_folder, load_common, own_memory, pack_latents, unpack_latents
+from pipelines.schedules import calculate_shift
 
 PROMPT_TEMPLATE = (
     "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, spatial "
@@ -151,20 +152,11 @@ def load_qwen_image_components(path: str | Path) -> dict:
     from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 
     folder = Path(path)
-    _check_folder(folder, "Qwen-Image", QWEN_IMAGE_COMPONENTS)
-    parts = _load_common(folder, "Qwen-Image", "QwenImageTransformer2DModel", "AutoencoderKLQwenImage")
+    check_folder(folder, "Qwen-Image", QWEN_IMAGE_COMPONENTS)
+    parts = load_common(folder, "Qwen-Image", "QwenImageTransformer2DModel", "AutoencoderKLQwenImage")
     parts["text_encoder"] = own_memory(Qwen2_5_VLForConditionalGeneration.from_pretrained(str(folder / "text_encoder"), local_files_only=True))
     parts["tokenizer"] = AutoTokenizer.from_pretrained(str(folder / "tokenizer"), local_files_only=True)
     return parts
-
-
-def calculate_shift(image_seq_len: int, config: dict) -> float:
-    """QwenImagePipeline's ``calculate_shift``: ``μ = m·L + b`` through (``base_image_seq_len``, ``base_shift``) and
-    (``max_image_seq_len``, ``max_shift``) of the scheduler config (the pipeline's defaults 256, 4096, 0.5, 1.15)."""
-    base_len, max_len = config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096)
-    base_shift, max_shift = config.get("base_shift", 0.5), config.get("max_shift", 1.15)
-    m = (max_shift - base_shift) / (max_len - base_len)
-    return image_seq_len * m + (base_shift - m * base_len)
 
 
 def true_cfg(cond: torch.Tensor, neg: torch.Tensor, scale: float) -> torch.Tensor:
@@ -197,6 +189,8 @@ class QwenImageAdapter(LatentFlowFamily):
         negative_prompt: the true-CFG negative prompt (the empty string by default).
         sample_size: image side (pixels) whose packed sequence length sets the default dynamic shift when
             :meth:`schedule` gets no ``height``/``width`` (None: the pipeline's default ``128·vae_factor``).
+        cfg_mode: how a guided ``predict`` runs its two branches (``split`` | ``batched``, see
+            :meth:`ModelAdapter.predict`).
     """
 
     family = "Qwen-Image"
@@ -212,9 +206,10 @@ class QwenImageAdapter(LatentFlowFamily):
     def __init__(
         self, path: str | None = None, dtype: str = "float32", device: str = "cpu", seed: int = 0,
         decode_chunk: int = 16, drop_text_encoders: bool = False, max_sequence_length: int = 512,
-        negative_prompt: str = "", sample_size: int | None = None,
+        negative_prompt: str = "", sample_size: int | None = None, cfg_mode: str = "split",
     ):
-        _dtype(dtype)
+        torch_dtype(dtype)
+        self.cfg_mode = check_cfg_mode(cfg_mode)
         if not 1 <= int(max_sequence_length) <= TOKENIZER_MAX_LENGTH:
             raise ValueError(f"Qwen-Image: max_sequence_length must be in [1, {TOKENIZER_MAX_LENGTH}], got {max_sequence_length}")
         parts = build_tiny_qwen_image_components(seed) if path is None else load_qwen_image_components(path)
@@ -303,36 +298,41 @@ class QwenImageAdapter(LatentFlowFamily):
         h, w = self._check_size(height, width, self.vae_factor * 2)
         return (self.latent_channels, h, w)
 
-    def _forward(self, tokens: torch.Tensor, sigma: torch.Tensor, seq: torch.Tensor, mask: torch.Tensor, h: int, w: int) -> torch.Tensor:
-        """One transformer call on packed tokens; an all-ones mask goes in as ``None`` (as in the pipeline)."""
-        return self.denoiser(
-            hidden_states=tokens, timestep=sigma.to(tokens.dtype), encoder_hidden_states=seq,
-            encoder_hidden_states_mask=None if bool(mask.all()) else mask, img_shapes=[[(1, h // 2, w // 2)]] * tokens.shape[0],
+    def _forward(self, latents: torch.Tensor, sigma: torch.Tensor, cond) -> torch.Tensor:
+        """One transformer call on the packed latents, the text cut to the batch's longest valid prompt; an
+        all-ones mask goes in as ``None`` (as in the pipeline)."""
+        b, _, h, w = latents.shape
+        seq, mask = cond["prompt_embeds"].to(latents.dtype), cond["prompt_embeds_mask"]
+        seq, mask = _trim_text(seq, mask, int(mask.sum(1).max()))
+        out = self.denoiser(
+            hidden_states=pack_latents(latents), timestep=sigma.to(latents.dtype), encoder_hidden_states=seq,
+            encoder_hidden_states_mask=None if bool(mask.all()) else mask, img_shapes=[[(1, h // 2, w // 2)]] * b,
             return_dict=False,
         )[0]
+        return unpack_latents(out, h, w)
 
     def predict(self, latents: torch.Tensor, sigma: torch.Tensor, cond: TensorDict, guidance_scale: float) -> torch.Tensor:
-        """Velocity for ``latents [B, C, h, w]``; true CFG (``guidance_scale > 1``) as one batched forward of
-        ``[neg; cond]`` with the texts padded to a common length, negative branch detached, then :func:`true_cfg`."""
+        """Velocity for ``latents [B, C, h, w]``: :meth:`ModelAdapter.predict` with true CFG (:meth:`combine_guidance`)
+        for ``guidance_scale > 1``; in ``batched`` mode both texts are cut to their common longest valid length."""
         if guidance_scale < 1.0:
             raise ValueError(f"Qwen-Image: true CFG needs guidance_scale ≥ 1 (1 = no CFG), got {guidance_scale} (sampler.guidance_scale)")
-        dtype = next(self.denoiser.parameters()).dtype
-        b, _, h, w = latents.shape
-        sigma = torch.as_tensor(sigma, dtype=torch.float32, device=latents.device).expand(b)
-        tokens = pack_latents(latents.to(dtype))
-        seq, mask = cond["prompt_embeds"].to(dtype), cond["prompt_embeds_mask"]
-        if guidance_scale == 1.0:
-            seq, mask = _trim_text(seq, mask, int(mask.sum(1).max()))
-            return unpack_latents(self._forward(tokens, sigma, seq, mask, h, w), h, w)
-        neg_seq, neg_mask = cond["negative_prompt_embeds"].to(dtype), cond["negative_prompt_embeds_mask"]
-        length = max(int(mask.sum(1).max()), int(neg_mask.sum(1).max()))
-        seq, mask = _trim_text(seq, mask, length)
-        neg_seq, neg_mask = _trim_text(neg_seq, neg_mask, length)
-        out = self._forward(
-            torch.cat([tokens, tokens]), torch.cat([sigma, sigma]), torch.cat([neg_seq, seq]), torch.cat([neg_mask, mask]), h, w,
-        )
-        neg, pos = out.chunk(2)
-        return unpack_latents(true_cfg(pos, neg.detach(), guidance_scale), h, w)
+        return super().predict(latents, sigma, cond, guidance_scale)
+
+    def combine_guidance(self, cond: torch.Tensor, uncond: torch.Tensor, guidance_scale: float) -> torch.Tensor:
+        """:func:`true_cfg` on the packed outputs (the norm rescale runs over each 2×2 token's ``4C`` channels)."""
+        h, w = cond.shape[-2:]
+        return unpack_latents(true_cfg(pack_latents(cond), pack_latents(uncond), guidance_scale), h, w)
+
+    def prompt_tokens(self) -> int:
+        """Valid text tokens of the first default prompt: the conditioning is stored padded to
+        ``max_sequence_length``, and :meth:`_forward` runs only the valid ones."""
+        cond = self.encode_prompts([self.default_prompts()[0]])
+        return int(cond["prompt_embeds_mask"].sum(-1).max())
+
+    def forward_flops(self, height: int, width: int, *, lora_rank: int = 0) -> float:
+        """:func:`pipelines.flops.qwen_image_forward_flops` over the ``(h/2)·(w/2)`` packed latent tokens."""
+        _, h, w = self.latent_shape(height, width)
+        return qwen_image_forward_flops(dict(self.denoiser.config), h * w // 4, self.prompt_tokens(), lora_rank)
 
     # -- VAE ------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -361,4 +361,4 @@ class QwenImageAdapter(LatentFlowFamily):
         return torch.cat(out)
 
 
-__all__ = ["QwenImageAdapter", "build_tiny_qwen_image_components", "load_qwen_image_components", "true_cfg", "calculate_shift"]
+__all__ = ["QwenImageAdapter", "build_tiny_qwen_image_components", "load_qwen_image_components", "true_cfg"]

@@ -1,7 +1,7 @@
 """The SD1.5 family over diffusers: ``UNet2DConditionModel`` (epsilon prediction), ``AutoencoderKL`` and a
 CLIP text encoder, sampled with DDIM on the model's DDPM ᾱ schedule (DDPO's setting).
 
-Noise levels follow DESIGN.md's convention for epsilon models: ``sigma = √(1 − ᾱ_t)`` in [0, 1], with
+Noise levels follow the convention for epsilon models (docs/architecture.md): ``sigma = √(1 − ᾱ_t)`` in [0, 1], with
 ``x_t = √(1 − σ²)·x0 + σ·ε``; the diffusers timestep ``t`` is looked up from ``sigma`` inside
 :meth:`SD15Adapter.predict` only.
 
@@ -17,11 +17,12 @@ from pathlib import Path
 import torch
 from tensordict import TensorDict
 
-from pipelines.base import ModelAdapter, register_family
+from pipelines.base import ModelAdapter, check_cfg_mode, register_family, torch_dtype
 from pipelines.ddpm import DDPMSchedule, alphas_cumprod  # noqa: F401  (re-exported)
+from pipelines.flops import unet2d_forward_flops
+from pipelines.tiny import TINY_PROMPTS, build_tiny_tokenizer
 
 COMPONENTS = ("unet", "vae", "text_encoder", "tokenizer", "scheduler")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # SD1.5's scheduler: scaled-linear betas, 1000 training steps, DDIM "leading" spacing with offset 1
 SCHEDULER_CONFIG = {
@@ -44,32 +45,6 @@ TINY_TEXT = dict(
     bos_token_id=0, eos_token_id=1, pad_token_id=1, hidden_size=32, intermediate_size=37, num_attention_heads=4,
     num_hidden_layers=2, vocab_size=600, max_position_embeddings=77, projection_dim=32,
 )
-TINY_PROMPTS = ["a cat", "a dog", "a horse", "a rabbit", "a monkey", "a bird", "a fish", "a lion"]
-
-
-def _byte_symbols() -> list[str]:
-    """The 256 printable symbols byte-level BPE uses for the bytes 0…255 (GPT-2's mapping)."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    symbols, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            symbols[b] = chr(b)
-        else:
-            symbols[b] = chr(256 + extra)
-            extra += 1
-    return [symbols[b] for b in range(256)]
-
-
-def build_tiny_tokenizer():
-    """A CLIP tokenizer over single bytes (no merges), built offline: 2 specials + 256 + 256 ``</w>`` symbols."""
-    from transformers import CLIPTokenizer
-
-    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
-    for symbol in _byte_symbols():
-        vocab[symbol] = len(vocab)
-    for symbol in _byte_symbols():
-        vocab[symbol + "</w>"] = len(vocab)
-    return CLIPTokenizer(vocab=vocab, merges=[], model_max_length=16)
 
 
 def build_tiny_components(seed: int = 0) -> dict:
@@ -122,17 +97,22 @@ class SD15Adapter(DDPMSchedule, ModelAdapter):
         path: local diffusers folder; ``None`` builds the tiny random configuration.
         dtype: UNet dtype; device: torch device; seed: init seed of the random configuration.
         decode_chunk: images per VAE decode call.
+        cfg_mode: how a guided ``predict`` runs its two branches (``split`` | ``batched``, see
+            :meth:`ModelAdapter.predict`).
     """
 
     prediction_type = "epsilon"
     lora_target_modules = ["to_q", "to_k", "to_v", "to_out.0"]
 
-    def __init__(self, path: str | None = None, dtype: str = "float32", device: str = "cpu", seed: int = 0, decode_chunk: int = 16):
-        if dtype not in _DTYPES:
-            raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(_DTYPES)}")
+    def __init__(
+        self, path: str | None = None, dtype: str = "float32", device: str = "cpu", seed: int = 0, decode_chunk: int = 16,
+        cfg_mode: str = "split",
+    ):
+        dtype_ = torch_dtype(dtype)
+        self.cfg_mode = check_cfg_mode(cfg_mode)
         parts = build_tiny_components(seed) if path is None else load_components(path)
         unet = parts["unet"].to(device)
-        self.denoiser = unet if dtype == "float32" else unet.to(dtype=_DTYPES[dtype])
+        self.denoiser = unet if dtype_ == torch.float32 else unet.to(dtype=dtype_)
         self.vae = parts["vae"].to(device).eval().requires_grad_(False)
         self.text_encoder = parts["text_encoder"].to(device).eval().requires_grad_(False)
         self.tokenizer = parts["tokenizer"]
@@ -168,17 +148,14 @@ class SD15Adapter(DDPMSchedule, ModelAdapter):
             raise ValueError(f"image size {height}×{width} must be divisible by the VAE factor {self.vae_factor}")
         return (self.denoiser.config.in_channels, height // self.vae_factor, width // self.vae_factor)
 
-    def predict(self, latents: torch.Tensor, sigma: torch.Tensor, cond: TensorDict, guidance_scale: float) -> torch.Tensor:
-        dtype = next(self.denoiser.parameters()).dtype
-        sigma = torch.as_tensor(sigma, dtype=torch.float32, device=latents.device).expand(latents.shape[0])
-        t = self.timestep(sigma)
-        if guidance_scale == 1.0:
-            return self.denoiser(latents.to(dtype), t, encoder_hidden_states=cond["prompt_embeds"], return_dict=False)[0]
-        out = self.denoiser(
-            torch.cat([latents, latents]).to(dtype), torch.cat([t, t]),
-            encoder_hidden_states=torch.cat([cond["negative_prompt_embeds"], cond["prompt_embeds"]]), return_dict=False,
-        )[0]
-        return self.combine_guidance(out, guidance_scale)
+    def _forward(self, latents: torch.Tensor, sigma: torch.Tensor, cond) -> torch.Tensor:
+        """ε at the training timestep nearest to each ``sigma`` (:meth:`DDPMSchedule.timestep`)."""
+        return self.denoiser(latents, self.timestep(sigma), encoder_hidden_states=cond["prompt_embeds"], return_dict=False)[0]
+
+    def forward_flops(self, height: int, width: int, *, lora_rank: int = 0) -> float:
+        """:func:`pipelines.flops.unet2d_forward_flops` at the latent size and the CLIP tokens."""
+        _, h, w = self.latent_shape(height, width)
+        return unet2d_forward_flops(dict(self.denoiser.config), h, w, self.prompt_tokens(), lora_rank)
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:

@@ -12,8 +12,9 @@ text encoder, as ``diffusers.WanPipeline`` (``pipelines/wan/pipeline_wan.py``) b
 * Latent normalisation: the model's latents are ``(z − latents_mean)/latents_std`` per channel; decoding
   computes ``z = latents / (1/latents_std) + latents_mean`` in the pipeline's order of operations.
 * Timestep: the transformer gets the diffusers timestep ``1000·σ``.
-* CFG: ``[uncond; cond]`` in one batched forward (WanPipeline runs two forwards, same numbers); guidance 1
-  runs the conditional branch only.
+* CFG: :meth:`ModelAdapter.predict`'s (``cfg_mode``: ``split`` runs two forwards as WanPipeline does,
+  ``batched`` one over ``[uncond; cond]``; same numbers up to rounding); guidance 1 runs the conditional
+  branch only.
 
 Schedule (a choice, see :meth:`WanAdapter.schedule`): WanPipeline's default scheduler is
 ``UniPCMultistepScheduler(use_flow_sigmas=True, flow_shift=s)``, a multistep solver whose step is not a
@@ -38,10 +39,11 @@ from pathlib import Path
 import torch
 from tensordict import TensorDict
 
-from pipelines.base import register_family
-from pipelines.sd3.adapter import (
-    LatentFlowFamily, _check_folder, _dtype, _load_common, _load_tokenizer, build_tiny_t5_tokenizer, own_memory,
-)
+from pipelines.base import check_cfg_mode, register_family, torch_dtype
+from pipelines.flops import wan_forward_flops
+from pipelines.latent import LatentFlowFamily, check_folder, load_common, load_tokenizer, own_memory
+from pipelines.schedules import flow_match_sigmas
+from pipelines.tiny import build_tiny_t5_tokenizer
 
 # Wan2.1-T2V's scheduler config (480p flow_shift); only flow_shift and num_train_timesteps are read
 WAN_SCHEDULER_CONFIG = {
@@ -77,17 +79,6 @@ def prompt_clean(text: str) -> str:
     return re.sub(r"\s+", " ", text).strip()
 
 
-def flow_match_sigmas(num_steps: int, shift: float, num_train_timesteps: int = 1000) -> torch.Tensor:
-    """``FlowMatchEulerDiscreteScheduler(shift=s).set_timesteps(K)``'s sigmas: with ``f(σ) = s·σ/(1 + (s − 1)·σ)``,
-    ``σ_min = f(1/T)``; ``f(linspace(1, σ_min, K))`` followed by a final 0 (``[K + 1]``, float32)."""
-    if num_steps < 1:
-        raise ValueError(f"num_steps must be ≥ 1, got {num_steps}")
-    s = float(shift)
-    f = lambda x: s * x / (1 + (s - 1) * x)  # noqa: E731
-    grid = torch.linspace(1.0, f(1.0 / num_train_timesteps), num_steps, dtype=torch.float64)
-    return torch.cat([f(grid), torch.zeros(1, dtype=torch.float64)]).float()
-
-
 def build_tiny_wan_components(seed: int = 0) -> dict:
     """The tiny random Wan-shaped components (CPU, fp32): transformer, causal 3-D VAE, UMT5 and tokenizer."""
     from diffusers import AutoencoderKLWan, WanTransformer3DModel
@@ -112,10 +103,10 @@ def load_wan_components(path: str | Path) -> dict:
     from transformers import UMT5EncoderModel
 
     folder = Path(path)
-    _check_folder(folder, "Wan", WAN_COMPONENTS)
-    parts = _load_common(folder, "Wan", "WanTransformer3DModel", "AutoencoderKLWan")
+    check_folder(folder, "Wan", WAN_COMPONENTS)
+    parts = load_common(folder, "Wan", "WanTransformer3DModel", "AutoencoderKLWan")
     parts["text_encoder"] = own_memory(UMT5EncoderModel.from_pretrained(str(folder / "text_encoder"), local_files_only=True))
-    parts["tokenizer"] = _load_tokenizer(folder, "tokenizer", clip=False)
+    parts["tokenizer"] = load_tokenizer(folder, "tokenizer", clip=False)
     return parts
 
 
@@ -134,6 +125,8 @@ class WanAdapter(LatentFlowFamily):
         negative_prompt: the unconditional prompt of CFG (WanPipeline's default ``""``).
         flow_shift: the sigma-schedule shift; ``None`` reads the scheduler config's ``flow_shift`` (UniPC)
             or ``shift`` (FlowMatchEuler), else 3.0.
+        cfg_mode: how a guided ``predict`` runs its two branches (``split`` | ``batched``, see
+            :meth:`ModelAdapter.predict`).
     """
 
     family = "Wan"
@@ -146,9 +139,10 @@ class WanAdapter(LatentFlowFamily):
     def __init__(
         self, path: str | None = None, dtype: str = "float32", device: str = "cpu", seed: int = 0, num_frames: int = 5,
         decode_chunk: int = 4, drop_text_encoders: bool = False, max_sequence_length: int = 512, negative_prompt: str = "",
-        flow_shift: float | None = None,
+        flow_shift: float | None = None, cfg_mode: str = "split",
     ):
-        _dtype(dtype)
+        torch_dtype(dtype)
+        self.cfg_mode = check_cfg_mode(cfg_mode)
         parts = build_tiny_wan_components(seed) if path is None else load_wan_components(path)
         self._setup(parts, dtype, device, decode_chunk, drop_text_encoders)
         self.num_frames = int(num_frames)
@@ -219,19 +213,15 @@ class WanAdapter(LatentFlowFamily):
     def fsdp_blocks(self) -> list[torch.nn.Module]:
         return list(self.denoiser.blocks)
 
-    def _forward(self, x: torch.Tensor, sigma: torch.Tensor, seq: torch.Tensor) -> torch.Tensor:
-        return self.denoiser(hidden_states=x, timestep=1000.0 * sigma, encoder_hidden_states=seq, return_dict=False)[0]
+    def _forward(self, latents: torch.Tensor, sigma: torch.Tensor, cond) -> torch.Tensor:
+        return self.denoiser(hidden_states=latents, timestep=1000.0 * sigma, encoder_hidden_states=cond["prompt_embeds"], return_dict=False)[0]
 
-    def predict(self, latents: torch.Tensor, sigma: torch.Tensor, cond: TensorDict, guidance_scale: float) -> torch.Tensor:
-        dtype = next(self.denoiser.parameters()).dtype
-        sigma = torch.as_tensor(sigma, dtype=torch.float32, device=latents.device).expand(latents.shape[0])
-        if guidance_scale == 1.0:
-            return self._forward(latents.to(dtype), sigma, cond["prompt_embeds"])
-        out = self._forward(
-            torch.cat([latents, latents]).to(dtype), torch.cat([sigma, sigma]),
-            torch.cat([cond["negative_prompt_embeds"], cond["prompt_embeds"]]),
-        )
-        return self.combine_guidance(out, guidance_scale)
+    def forward_flops(self, height: int, width: int, *, lora_rank: int = 0) -> float:
+        """:func:`pipelines.flops.wan_forward_flops` over the ``F/p_t · h/p_h · w/p_w`` video tokens and every
+        (padded) UMT5 token."""
+        _, f, h, w = self.latent_shape(height, width)
+        p_t, p_h, p_w = self.patch_size
+        return wan_forward_flops(dict(self.denoiser.config), (f // p_t) * (h // p_h) * (w // p_w), self.prompt_tokens(), lora_rank)
 
     # -- VAE ------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -268,4 +258,4 @@ class WanAdapter(LatentFlowFamily):
         raise ValueError("Wan latents are videos [C, F, h, w]: encode_images (images → latents) does not apply; use encode_videos")
 
 
-__all__ = ["WanAdapter", "build_tiny_wan_components", "load_wan_components", "flow_match_sigmas", "prompt_clean"]
+__all__ = ["WanAdapter", "build_tiny_wan_components", "load_wan_components", "prompt_clean"]

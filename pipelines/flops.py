@@ -1,31 +1,17 @@
-"""DiffusionFlopsCounter: analytic FLOPs of the denoiser per family, and MFU.
+"""Analytic FLOPs of one denoiser forward, per architecture (pure functions of the model config).
 
 Counts what ``torch.utils.flop_counter.FlopCounterMode`` counts — matrix products, convolutions and
-attention (2 FLOPs per multiply-add) — from the model config, the number of latent (image) tokens, the
-number of prompt tokens and the batch. Elementwise work (norms, activations, RoPE) is not counted.
+attention (2 FLOPs per multiply-add) — from the model config, the number of latent (image) tokens and the
+number of prompt tokens, for ONE sample and ONE conditional forward. Elementwise work (norms, activations,
+RoPE) is not counted. A linear layer over ``n`` tokens costs ``2·n·d_in·d_out``; attention over ``S`` query
+and ``S'`` key tokens of width ``D`` costs ``4·S·S'·D`` (``QKᵀ`` and ``AV``).
 
-A forward of a transformer of width ``D`` over ``n`` tokens costs ``2·n·d_in·d_out`` per linear layer and
-``4·S²·D`` per attention over ``S`` tokens (``QKᵀ`` and ``AV``). A training pass counts 3 forwards
-(forward + backward); a forward-only pass (rollout, reference, old policy) counts 1, i.e. 1/3 of a
-training pass. CFG doubles the forward batch.
-
-Families: ``mmdit`` (SD3/SD3.5 and the digits miniature), ``flux`` (FLUX.1 double and single blocks),
-``qwen_image`` (Qwen-Image MMDiT), ``wan`` (Wan2.1 video DiT) and ``unet2d`` (SD1.5 UNet).
+Each family's ``ModelAdapter.forward_flops`` picks its formula here: ``mmdit`` (SD3/SD3.5 and the digits
+miniature), ``flux`` (FLUX.1 double and single blocks), ``qwen_image`` (Qwen-Image MMDiT), ``wan`` (Wan2.1
+video DiT) and ``unet2d`` (SD1.5 and the digits epsilon UNet).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
-
-# dense bf16 peak FLOP/s by device name (vendor datasheets); override with peak_flops for measured values
-DEVICE_PEAK_FLOPS = {
-    "H200": 989e12,
-    "H100": 989e12,
-    "A100": 312e12,
-    "L40S": 362e12,
-    "A10G": 125e12,
-    "RTX 4090": 165e12,
-}
 
 
 def _linear(tokens: float, d_in: int, d_out: int) -> float:
@@ -208,93 +194,3 @@ def unet2d_forward_flops(config: dict, height: int, width: int, n_text: int, lor
             flops += _conv(h * w, prev, prev)
     flops += _conv(h * w, prev, c_out)
     return flops
-
-
-FAMILY_FORMULAS = {
-    "mmdit": mmdit_forward_flops, "flux": flux_forward_flops, "qwen_image": qwen_image_forward_flops, "wan": wan_forward_flops,
-    "unet2d": unet2d_forward_flops,
-}
-
-
-@dataclass
-class DiffusionFlopsCounter:
-    """Analytic FLOPs of rollouts and training passes of one denoiser, and the MFU they reach.
-
-    Args:
-        formula: a key of ``FAMILY_FORMULAS``.
-        config: the denoiser's config (diffusers ``model.config`` as a dict).
-        n_image: latent tokens per sample (for ``unet2d``: ``(height, width)`` of the latent).
-        n_text: prompt tokens per sample.
-        lora_rank: LoRA rank on the default targets (0: none).
-        device_name: looked up in ``DEVICE_PEAK_FLOPS`` (substring match) unless ``peak_flops`` is given.
-        peak_flops: FLOP/s per device to divide by (e.g. a measured matmul peak).
-    """
-
-    formula: str
-    config: dict
-    n_image: int | tuple[int, int]
-    n_text: int
-    lora_rank: int = 0
-    device_name: str | None = None
-    peak_flops: float | None = None
-
-    def __post_init__(self):
-        if self.formula not in FAMILY_FORMULAS:
-            raise ValueError(f"unknown FLOPs formula {self.formula!r}; known: {sorted(FAMILY_FORMULAS)}")
-        if self.peak_flops is None and self.device_name is not None:
-            match = [v for k, v in DEVICE_PEAK_FLOPS.items() if k.lower() in self.device_name.lower()]
-            self.peak_flops = match[0] if match else None
-
-    def forward_flops(self, batch: int = 1) -> float:
-        """FLOPs of one denoiser forward over ``batch`` samples (no CFG)."""
-        fn = FAMILY_FORMULAS[self.formula]
-        if self.formula == "unet2d":
-            h, w = self.n_image
-            return batch * fn(self.config, h, w, self.n_text, self.lora_rank)
-        return batch * fn(self.config, self.n_image, self.n_text, self.lora_rank)
-
-    def rollout_flops(self, num_images: int, num_steps: int, guidance_scale: float = 1.0) -> float:
-        """Sampling ``num_images`` with ``num_steps`` forwards each (×2 with CFG)."""
-        return self.forward_flops(num_images) * num_steps * (2 if guidance_scale != 1.0 else 1)
-
-    def train_flops(self, num_samples: int, trained_steps: int, guidance_scale: float = 1.0, extra_forwards: int = 0) -> float:
-        """A training pass over ``num_samples × trained_steps`` forwards: forward + backward = 3 forwards
-        (the detached unconditional CFG branch is forward-only), plus ``extra_forwards`` forward-only
-        passes per sample-step (reference for the KL, old policy for NFT)."""
-        units = num_samples * trained_steps
-        per = self.forward_flops(1)
-        cond = 3 * per * units
-        uncond = per * units if guidance_scale != 1.0 else 0.0
-        return cond + uncond + extra_forwards * per * units
-
-    def mfu(self, flops: float, seconds: float, num_devices: int = 1) -> float | None:
-        """Model FLOPs utilisation: ``flops / (seconds · peak · devices)`` (None without a known peak)."""
-        if not self.peak_flops or seconds <= 0:
-            return None
-        return flops / (seconds * self.peak_flops * num_devices)
-
-
-def counter_for_adapter(adapter, height: int, width: int, *, lora_rank: int = 0, device_name: str | None = None, peak_flops: float | None = None) -> DiffusionFlopsCounter:
-    """A counter for a model adapter's denoiser at image size ``height × width``."""
-    config = dict(adapter.denoiser.config)
-    cls = type(adapter.denoiser).__name__
-    cond = adapter.encode_prompts([(adapter.default_prompts() or ["a photo"])[0]])
-    n_text = int(cond["prompt_embeds"].shape[1])
-    latent = adapter.latent_shape(height, width)
-    if cls == "SD3Transformer2DModel":
-        p = config["patch_size"]
-        return DiffusionFlopsCounter("mmdit", config, (latent[1] // p) * (latent[2] // p), n_text, lora_rank, device_name, peak_flops)
-    if cls == "UNet2DConditionModel":
-        return DiffusionFlopsCounter("unet2d", config, (latent[1], latent[2]), n_text, lora_rank, device_name, peak_flops)
-    if cls == "FluxTransformer2DModel":
-        return DiffusionFlopsCounter("flux", config, latent[-2] if len(latent) == 2 else latent[1] * latent[2] // 4, n_text, lora_rank, device_name, peak_flops)
-    if cls == "QwenImageTransformer2DModel":  # latent (C, h, w) → (h/2)·(w/2) packed tokens; the text is stored
-        # padded to max_sequence_length and the adapter runs only the valid tokens (prompt_embeds_mask)
-        if "prompt_embeds_mask" in cond.keys():
-            n_text = int(cond["prompt_embeds_mask"].sum(-1).max())
-        return DiffusionFlopsCounter("qwen_image", config, latent[1] * latent[2] // 4, n_text, lora_rank, device_name, peak_flops)
-    if cls == "WanTransformer3DModel":
-        p_t, p_h, p_w = config["patch_size"]
-        tokens = (latent[1] // p_t) * (latent[2] // p_h) * (latent[3] // p_w)
-        return DiffusionFlopsCounter("wan", config, tokens, n_text, lora_rank, device_name, peak_flops)
-    raise ValueError(f"no FLOPs formula for denoiser {cls}; known formulas: {sorted(FAMILY_FORMULAS)}")

@@ -3,17 +3,18 @@
 ``digits``: ``p_reward(digit | image) · p_reward(colour | image)`` from the shipped CNN reward
 classifier, in [0, 1] (unit: probability). ``digits_gold``: 1 when the independently trained gold
 judge's argmax digit and colour both match the prompt, else 0 — used for evaluation only.
+
+The package holds the digits world (``data``: palette, prompts, the sklearn digits), the classifiers
+(``classifiers``) and their safetensors I/O (``io``); the generator family ``pipelines.digits`` builds on it.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
-from pipelines.digits.classifiers import DigitsClassifier
-from pipelines.digits.data import parse_prompt
 from rewards.base import Reward, register_reward
+from rewards.digits.classifiers import DigitsClassifier
+from rewards.digits.data import ASSET_DIR, parse_prompt
 
 
 def _targets(prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -29,12 +30,6 @@ def judge_correct(judge: DigitsClassifier, images: torch.Tensor, prompts: list[s
     return (d_logits.argmax(-1) == digit) & (c_logits.argmax(-1) == colour)
 
 
-def _default_folder(name: str) -> Path:
-    from pipelines.digits import ASSET_DIR
-
-    return ASSET_DIR / name
-
-
 @register_reward("digits")
 class DigitsReward(Reward):
     """Probability of the prompt's digit × probability of its colour under the reward classifier.
@@ -47,7 +42,7 @@ class DigitsReward(Reward):
 
     def __init__(self, path: str | None = None, device: str = "cpu"):
         self.device = device
-        self.model = DigitsClassifier.from_pretrained(path or _default_folder("reward_classifier")).to(device)
+        self.model = DigitsClassifier.from_pretrained(path or ASSET_DIR / "reward_classifier").to(device)
 
     @torch.no_grad()
     def __call__(self, images: torch.Tensor, prompts: list[str], metadata=None) -> dict[str, torch.Tensor]:
@@ -66,7 +61,7 @@ class DigitsGold(Reward):
 
     def __init__(self, path: str | None = None, device: str = "cpu"):
         self.device = device
-        self.model = DigitsClassifier.from_pretrained(path or _default_folder("gold_classifier")).to(device)
+        self.model = DigitsClassifier.from_pretrained(path or ASSET_DIR / "gold_classifier").to(device)
 
     def __call__(self, images: torch.Tensor, prompts: list[str], metadata=None) -> dict[str, torch.Tensor]:
         return {self.name: judge_correct(self.model, images.to(self.device), prompts).float().cpu()}

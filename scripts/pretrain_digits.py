@@ -1,6 +1,6 @@
 """Make the digits miniature's shipped files: reward classifier, gold judge and base generator.
 
-    python -m pipelines.digits.pretrain --out assets/digits
+    python scripts/pretrain_digits.py --out assets/digits
 
 Seeded end to end. Steps:
 
@@ -25,12 +25,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from diffrl.evaluation import eval_prompts_and_seeds
-from diffrl.rollout import SamplerSettings, sample_trajectories
-from diffrl.schedules import logit_normal_sigmas
+from diffrl.config import SamplerConfig
+from diffrl.sampling.evaluation import eval_prompts_and_seeds
+from diffrl.sampling.rollout import sample_trajectories
 from pipelines.digits.adapter import DigitsAdapter
-from pipelines.digits.classifiers import DigitsClassifier
-from pipelines.digits.data import COLOUR_NAMES, all_prompts, colourise, load_digit_intensities, make_prompt, split_indices
+from pipelines.schedules import logit_normal_sigmas
+from rewards.digits import judge_correct
+from rewards.digits.classifiers import DigitsClassifier
+from rewards.digits.data import COLOUR_NAMES, all_prompts, colourise, load_digit_intensities, make_prompt, split_indices
 
 
 def augment(x: torch.Tensor, g: torch.Generator) -> torch.Tensor:
@@ -80,10 +82,8 @@ def gold_accuracy(adapter, judge: DigitsClassifier, guidance_scale: float, seeds
 
     The same prompts, seeds and sampler as the trainer's evaluation (``trainer.eval_seed=1234``).
     """
-    from rewards.digits import judge_correct
-
     prompts, seeds = eval_prompts_and_seeds(all_prompts(), seeds_per_prompt, eval_seed)
-    td = sample_trajectories(adapter, prompts, settings=SamplerSettings(num_steps=10, step_kind="ode", guidance_scale=guidance_scale), seeds=seeds)
+    td = sample_trajectories(adapter, prompts, settings=SamplerConfig(num_steps=10, kind="ode", guidance_scale=guidance_scale), seeds=seeds)
     return judge_correct(judge, td["images"], prompts).float().mean().item()
 
 
@@ -110,7 +110,7 @@ def train_generator(judge: DigitsClassifier, args) -> tuple[DigitsAdapter, dict]
         eps = torch.randn(x0.shape, generator=g)
         s = sigma.view(-1, 1, 1, 1)
         x_sigma = (1 - s) * x0 + s * eps
-        v = adapter._forward(x_sigma, sigma, seq, pooled)
+        v = adapter._forward(x_sigma, sigma, {"prompt_embeds": seq, "pooled_prompt_embeds": pooled})
         loss = F.mse_loss(v, eps - x0)
         opt.zero_grad()
         loss.backward()

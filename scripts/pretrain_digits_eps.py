@@ -1,6 +1,6 @@
 """Pretrain the digits epsilon UNet (family ``digits_eps``), the base model of the DDPO recipe.
 
-    python -m pipelines.digits.pretrain_eps --out assets/digits_eps [--device cuda]
+    python scripts/pretrain_digits_eps.py --out assets/digits_eps [--device cuda]
 
 Seeded end to end. The UNet and a fresh ``DigitsTextEncoder`` learn ε-prediction jointly
 (``x_t = √ᾱ_t·x0 + √(1 − ᾱ_t)·ε``, uniform t, loss ‖ε̂ − ε‖², 10 % empty prompts for CFG) on the colourised
@@ -20,20 +20,20 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from diffrl.evaluation import eval_prompts_and_seeds
-from diffrl.rollout import SamplerSettings, sample_trajectories
-from pipelines.digits import ASSET_DIR
-from pipelines.digits.classifiers import DigitsClassifier
-from pipelines.digits.data import COLOUR_NAMES, all_prompts, colourise, load_digit_intensities, make_prompt
-from pipelines.digits.eps import DigitsEpsAdapter
+from diffrl.config import SamplerConfig
+from diffrl.sampling.evaluation import eval_prompts_and_seeds
+from diffrl.sampling.rollout import sample_trajectories
+from pipelines.digits.eps import DigitsEpsAdapter, build_unet
+from rewards.digits import judge_correct
+from rewards.digits.classifiers import DigitsClassifier
+from rewards.digits.data import ASSET_DIR, COLOUR_NAMES, all_prompts, colourise, load_digit_intensities, make_prompt
 
 
 @torch.no_grad()
 def gold_accuracy(adapter, judge, guidance_scale: float, num_steps: int = 20, seeds_per_prompt: int = 4, eval_seed: int = 1234) -> float:
-    from rewards.digits import judge_correct
-
+    """Gold accuracy of ``num_steps``-step DDIM (η = 0) samples on the trainer's evaluation prompts and seeds."""
     prompts, seeds = eval_prompts_and_seeds(all_prompts(), seeds_per_prompt, eval_seed)
-    settings = SamplerSettings(num_steps=num_steps, step_kind="ddim", noise_level=0.0, clip_sample=1.0, guidance_scale=guidance_scale)
+    settings = SamplerConfig(num_steps=num_steps, kind="ddim", noise_level=0.0, clip_sample=1.0, guidance_scale=guidance_scale)
     td = sample_trajectories(adapter, prompts, settings=settings, seeds=seeds)
     return judge_correct(judge, td["images"].cpu(), prompts).float().mean().item()
 
@@ -60,8 +60,6 @@ def main(argv=None) -> None:
     torch.manual_seed(args.seed)
     adapter = DigitsEpsAdapter(path=None, seed=args.seed, device=args.device)
     if args.width != 64:
-        from pipelines.digits.eps import build_unet
-
         w = args.width
         adapter.denoiser = build_unet(args.seed, block_out_channels=(w, 2 * w, 2 * w)).to(args.device)
     unet, te = adapter.denoiser.train(), adapter.text_encoder.requires_grad_(True).train()

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pipelines.digits.data import COLOUR_NAMES
-from pipelines.digits.io import JsonSafetensorsMixin
+from rewards.digits.data import COLOUR_NAMES
+from rewards.digits.io import JsonSafetensorsMixin
 
 ARCHITECTURES = ("cnn", "strided_cnn", "mlp")
 

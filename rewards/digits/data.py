@@ -1,13 +1,20 @@
-"""The digits miniature's data: sklearn's 8×8 digits, upsampled to 16×16 and coloured.
+"""The digits world: sklearn's 8×8 digits, upsampled to 16×16 and coloured with a named palette.
 
 Images live in pixel space: ``[3, 16, 16]`` float in ``[0, 1]`` (black background, the digit's
 strokes in one named colour). Prompts read ``"a <colour> <digit-word>"``, e.g. ``"a red seven"``.
+The reward and gold judge parse prompts with it; the digits generator family (``pipelines.digits``)
+takes its prompts and pretraining data from it. ``ASSET_DIR`` is the shipped miniature's folder
+(generator, reward classifier and gold judge).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
+
+ASSET_DIR = Path(__file__).resolve().parents[2] / "assets" / "digits"
 
 COLOURS: dict[str, tuple[float, float, float]] = {
     "red": (1.0, 0.15, 0.1),
