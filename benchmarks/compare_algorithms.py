@@ -33,6 +33,7 @@ RECIPES = {
     "dance_grpo": ["experiment=digits_dance_grpo"],
     "dpo": ["experiment=digits_dpo"],
     "nft": ["experiment=digits_nft"],
+    "awm": ["experiment=digits_awm"],
     "ddpo": ["experiment=digits_ddpo"],  # JPEG compressibility on digits_eps; gold shows what it costs in content
 }
 

@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+
 @dataclass
 class LoraConfig:
     rank: int = 8

@@ -40,12 +40,12 @@ import math
 import os
 import warnings
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-from diffrl.sampling.evaluation import main_score, per_sample_scores, read_jsonl  # noqa: F401  (the logging API)
 from diffrl import wandb_file
+from diffrl.sampling.evaluation import main_score, per_sample_scores, read_jsonl  # noqa: F401  (the logging API)
 
 WANDB_MODES = ("offline", "online", "disabled")
 WANDB_FLUSH_TIMEOUT_S = 60.0  # how long close() waits for an offline run file to be complete

@@ -29,15 +29,14 @@ from tensordict import NonTensorStack, TensorDict
 
 from diffrl import checkpoint
 from diffrl.algorithms import Algorithm, RunContext, build_algorithm
-from diffrl.config import ModelConfig
 from diffrl.data import read_prompt_file, step_prompts
 from diffrl.distributed import WorkerGroup, build_worker_group
 from diffrl.distributed.workers import ActorRolloutRefWorker, WorkerConfig
+from diffrl.logging import Progress, RunLogger
 from diffrl.recipes import Config, to_config
 from diffrl.sampling.evaluation import eval_prompts_and_seeds, per_sample_scores, run_paired_change
 from diffrl.sampling.schedules import TrainingWindow
 from diffrl.sampling.seeding import Stream, derive
-from diffrl.logging import Progress, RunLogger
 from rewards.base import build_reward, score
 
 

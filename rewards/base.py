@@ -28,9 +28,8 @@ index in the full batch (for videos: the video's index, and the frame's when sco
 from __future__ import annotations
 
 import base64
-import io
-
 import importlib
+import io
 from importlib.metadata import entry_points
 from typing import Any, Callable
 

@@ -20,8 +20,6 @@ then it raises :class:`~rewards.base.RewardError` naming the server. A 4xx or 50
 
 from __future__ import annotations
 
-import base64
-import io
 import ipaddress
 import json
 import os

@@ -7,20 +7,20 @@ import json
 
 import pytest
 import torch
+from helpers import make_engine
 from safetensors.torch import load_file
 from tensordict import TensorDict
 
-from diffrl.engine import lora
 from diffrl.algorithms.awm import AWMObjective
 from diffrl.algorithms.dpo import DPOObjective, online_pairs
+from diffrl.algorithms.losses import make_step_loss, nft_reward_to_r
 from diffrl.algorithms.nft import NFTObjective, old_decay
+from diffrl.config import ModelConfig, OptimConfig, SamplerConfig
 from diffrl.data import read_preference_pairs
 from diffrl.distributed.workers import ActorRolloutRefWorker, WorkerConfig
-from diffrl.recipes import compose
+from diffrl.engine import lora
 from diffrl.engine.engine import lr_factor
-from helpers import make_engine
-from diffrl.algorithms.losses import make_step_loss, nft_reward_to_r
-from diffrl.config import ModelConfig, OptimConfig, SamplerConfig
+from diffrl.recipes import compose
 from diffrl.sampling.rollout import sample_trajectories
 from diffrl.trainer import RunFolderError, Trainer
 from tests.conftest import randomise_lora

@@ -2,21 +2,20 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import make_engine
 
 from diffrl.checkpoint import list_checkpoints, load_engine
-from diffrl.tools.cli import main
-from diffrl.recipes import ConfigError, compose
-from diffrl.engine.engine import DiffusionEngine
-from helpers import make_engine
-from diffrl.logging import read_jsonl
 from diffrl.config import SamplerConfig
+from diffrl.engine.engine import DiffusionEngine
+from diffrl.logging import read_jsonl
+from diffrl.recipes import ConfigError, compose
+from diffrl.tools.cli import main
 from pipelines.digits import DigitsAdapter
 from rewards.base import Reward, RewardError, register_reward, score
 

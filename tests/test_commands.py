@@ -18,14 +18,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import make_engine
 from PIL import Image
 
 from diffrl.checkpoint import load_engine, save_engine
-from diffrl.tools.cli import main
-from helpers import make_engine
-from diffrl.logging import read_jsonl
 from diffrl.config import SamplerConfig
+from diffrl.engine.engine import DiffusionEngine
+from diffrl.logging import read_jsonl
 from diffrl.sampling.rollout import sample_trajectories
+from diffrl.tools.cli import main
 from tests.conftest import randomise_lora
 
 pytestmark = pytest.mark.usefixtures("single_thread")

@@ -4,11 +4,11 @@ not change, rollout and training run the compiled module, and their log-probs st
 from __future__ import annotations
 
 import torch
+from helpers import make_engine
 
 from diffrl.config import SamplerConfig
 from diffrl.sampling.rollout import sample_trajectories
 from diffrl.sampling.seeding import Stream, derive
-from helpers import make_engine
 from tests.conftest import randomise_lora
 
 

@@ -6,8 +6,8 @@ import json
 
 import torch
 
-from pipelines.digits import ASSET_DIR, DigitsAdapter
 from diffrl.sampling.evaluation import eval_prompts_and_seeds, evaluate
+from pipelines.digits import ASSET_DIR, DigitsAdapter
 from rewards.base import build_reward
 from rewards.digits.classifiers import DigitsClassifier
 from rewards.digits.data import COLOUR_NAMES, colourise, load_digit_intensities, make_prompt, parse_prompt, split_indices

@@ -8,8 +8,8 @@ import math
 
 import pytest
 import torch
-
 from helpers import make_engine
+
 from diffrl.config import SamplerConfig
 from diffrl.sampling.rollout import sample_trajectories
 from pipelines import build_adapter
@@ -38,9 +38,9 @@ def test_schedule_is_ddim_on_the_linear_ddpm_betas(shipped):
 
 
 def test_shipped_model_draws_the_prompted_digit_well_above_chance(shipped):
+    from rewards.digits import judge_correct
     from rewards.digits.classifiers import DigitsClassifier
     from rewards.digits.data import all_prompts
-    from rewards.digits import judge_correct
 
     judge = DigitsClassifier.from_pretrained(ASSET_DIR / "gold_classifier").eval()
     prompts = all_prompts()  # 60 digit × colour prompts: chance is 1/60
@@ -66,8 +66,8 @@ def test_rollout_training_parity_with_lora_and_cfg():
 
 
 def test_ddpo_recipe_trains_on_jpeg_compressibility(tmp_path):
-    from diffrl.tools.cli import main
     from diffrl.logging import read_jsonl
+    from diffrl.tools.cli import main
 
     out = tmp_path / "ddpo"
     args = ["train", "experiment=digits_ddpo", f"trainer.output_dir={out}", "trainer.steps=2", "trainer.prompts_per_step=2",
@@ -103,9 +103,9 @@ def test_ddpo_recipe_trains_on_jpeg_compressibility(tmp_path):
 def test_stochastic_evaluation_samples_the_rollout_step_on_fixed_seeds(shipped):
     from tensordict import NonTensorStack, TensorDict
 
+    from diffrl.distributed.workers import ActorRolloutRefWorker
     from diffrl.recipes import compose
     from diffrl.trainer import worker_config
-    from diffrl.distributed.workers import ActorRolloutRefWorker
 
     prompts, seeds = ["a red seven", "a blue two", "a green one"], [11, 12, 13]
 

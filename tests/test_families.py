@@ -15,10 +15,10 @@ import math
 
 import pytest
 import torch
+from helpers import make_engine
 
 from diffrl.config import SamplerConfig
 from diffrl.sampling.rollout import sample_trajectories
-from helpers import make_engine
 from pipelines import build_adapter
 from tests.conftest import randomise_lora
 

@@ -260,13 +260,13 @@ def test_tiny_recipe_trains_two_steps_through_the_cli(tmp_path):
 def test_export_lora_loads_into_qwen_image_pipeline(tmp_path):
     """``diffrl export-lora`` writes the LoRA in the diffusers format that QwenImagePipeline.load_lora_weights reads
     (LORA_FORMATS["qwen_image"]): the pipeline's transformer then equals the trained one."""
+    from helpers import make_engine
     from omegaconf import OmegaConf
 
     from diffrl.checkpoint import save_engine
-    from diffrl.tools.cli import main
-    from diffrl.recipes import compose
     from diffrl.config import SamplerConfig
-    from helpers import make_engine
+    from diffrl.recipes import compose
+    from diffrl.tools.cli import main
     from tests.conftest import randomise_lora
 
     run = tmp_path / "run"

@@ -368,8 +368,8 @@ def test_offline_wandb_logs_videos_as_gifs_and_middle_frames(tmp_path):
     import numpy as np
     from PIL import Image
 
-    from diffrl.tools.analysis import read_wandb_offline
     from diffrl.logging import RunLogger
+    from diffrl.tools.analysis import read_wandb_offline
 
     v = videos(b=4, f=5, seed=2)
     scores = {"red": torch.tensor([0.5, 0.25, 0.125, 1.0])}
@@ -388,12 +388,12 @@ def test_offline_wandb_logs_videos_as_gifs_and_middle_frames(tmp_path):
 
 
 def test_export_lora_loads_into_wan_pipeline(tmp_path):
+    from helpers import make_engine
     from omegaconf import OmegaConf
 
     from diffrl.checkpoint import save_engine
-    from diffrl.tools.cli import main
     from diffrl.recipes import compose
-    from helpers import make_engine
+    from diffrl.tools.cli import main
     from tests.conftest import randomise_lora
 
     run = tmp_path / "wan_run"

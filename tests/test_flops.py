@@ -161,9 +161,8 @@ FAMILY_SIZES = {"digits": 16, "digits_eps": 16, "sd15": 32, "sd3": 32, "flux": 3
 def test_every_family_declares_the_flops_of_its_forward(family):
     """``adapter.forward_flops`` (one conditional forward, one sample, LoRA rank 4 attached) within 5 % of what
     FlopCounterMode counts in ``predict`` at guidance 1, and ``counter_for_adapter`` takes exactly that number."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     from peft import LoraConfig
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     size = FAMILY_SIZES[family]
     adapter = build_adapter(family, path=None, seed=0)

@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
-from diffrl.tools.analysis import (
-    compare, eval_metrics, eval_set, load_policy, load_run, plot_curves, plot_grids, plot_reward_histograms, read_wandb_offline, sample_eval,
-)
 from diffrl.logging import RunLogger, WandbInitError, per_sample_scores, read_jsonl, wandb_scalars
+from diffrl.tools.analysis import (
+    compare,
+    eval_metrics,
+    eval_set,
+    load_policy,
+    load_run,
+    plot_curves,
+    plot_grids,
+    plot_reward_histograms,
+    read_wandb_offline,
+    sample_eval,
+)
 
 PROMPTS = ["a red seven", "a blue three", "a green one"]
 RECORDS = [

@@ -10,7 +10,6 @@ from tensordict import TensorDict
 
 from diffrl.algorithms.losses import LOSSES, flow_grpo_loss, gaussian_kl_same_std, get_loss, make_step_loss
 
-
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import torch
+from helpers import make_engine
 
 from diffrl.algorithms.advantages import group_advantages
-from helpers import make_engine
 from diffrl.algorithms.losses import make_step_loss
 from diffrl.config import SamplerConfig
 from diffrl.sampling.rollout import sample_trajectories

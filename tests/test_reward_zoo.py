@@ -16,7 +16,13 @@ from PIL import Image, ImageDraw, ImageFont
 
 from rewards.base import RewardError, build_reward, score
 from rewards.clip_models import (
-    OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, Aesthetic, ClipScore, HPSv2, PickScore, clip_preprocess,
+    OPENAI_CLIP_MEAN,
+    OPENAI_CLIP_STD,
+    Aesthetic,
+    ClipScore,
+    HPSv2,
+    PickScore,
+    clip_preprocess,
 )
 from rewards.ocr import OcrReward, edit_distance, ocr_score, quoted_text
 
@@ -231,8 +237,8 @@ OCR_RUN = ["experiment=digits_flow_grpo", "model=sd15_tiny", "reward=ocr", "rewa
 
 
 def test_flow_grpo_trains_with_the_ocr_reward(tmp_path, monkeypatch, single_thread):
-    from diffrl.recipes import compose
     from diffrl.logging import read_jsonl
+    from diffrl.recipes import compose
     from diffrl.trainer import Trainer
 
     calls = []

@@ -16,8 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from diffrl.recipes import compose
 from diffrl.algorithms.base import arrange_for_data_parallel
+from diffrl.recipes import compose
 from diffrl.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]

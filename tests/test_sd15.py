@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import make_engine
 
 from diffrl.config import SamplerConfig
 from diffrl.sampling.rollout import sample_trajectories
-from helpers import make_engine
 from pipelines.sd15.adapter import SD15Adapter, alphas_cumprod, build_tiny_components, save_pipeline
 from tests.conftest import randomise_lora
 

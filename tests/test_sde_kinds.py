@@ -6,8 +6,8 @@ import math
 
 import pytest
 import torch
-
 from helpers import make_engine
+
 from diffrl.config import SamplerConfig
 from diffrl.sampling.rollout import sample_trajectories
 from diffrl.sampling.sde import cps_step, dance_sde_step, get_step

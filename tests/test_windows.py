@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import make_engine
 
 from diffrl import checkpoint
-from diffrl.recipes import compose
-from helpers import make_engine
 from diffrl.config import SamplerConfig
+from diffrl.recipes import compose
 from diffrl.sampling.rollout import sample_trajectories
 from diffrl.sampling.schedules import TrainingWindow
 from diffrl.sampling.sde import STEP_KINDS, ode_step

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import torch
-
-from diffrl.engine import lora
-from diffrl.algorithms.advantages import group_advantages
-from diffrl.checkpoint import list_checkpoints
-from diffrl.algorithms.losses import make_step_loss
-from diffrl.config import LoraConfig, ModelConfig, SamplerConfig
-from diffrl.sampling.seeding import Stream, derive
-from diffrl.distributed.workers import ActorRolloutRefWorker, WorkerConfig
 from tensordict import NonTensorStack, TensorDict
+
+from diffrl.algorithms.advantages import group_advantages
+from diffrl.algorithms.losses import make_step_loss
+from diffrl.checkpoint import list_checkpoints
+from diffrl.config import LoraConfig, ModelConfig, SamplerConfig
+from diffrl.distributed.workers import ActorRolloutRefWorker, WorkerConfig
+from diffrl.engine import lora
+from diffrl.sampling.seeding import Stream, derive
 from tests.conftest import randomise_lora
 
 

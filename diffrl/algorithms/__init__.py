@@ -12,7 +12,17 @@ awm               :class:`AWM` (Advantage Weighted Matching)
 """
 
 from diffrl.algorithms.awm import AWM
-from diffrl.algorithms.base import ALGORITHMS, Algorithm, RolloutPlan, RunContext, StepResult, algorithm_class, build_algorithm, config_schema, register_algorithm
+from diffrl.algorithms.base import (
+    ALGORITHMS,
+    Algorithm,
+    RolloutPlan,
+    RunContext,
+    StepResult,
+    algorithm_class,
+    build_algorithm,
+    config_schema,
+    register_algorithm,
+)
 from diffrl.algorithms.dpo import Preference
 from diffrl.algorithms.nft import NFT
 from diffrl.algorithms.policy_gradient import PolicyGradient

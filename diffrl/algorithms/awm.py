@@ -35,7 +35,7 @@ from diffrl.sampling.schedules import WindowMasks
 
 @dataclass
 class AWMConfig(AlgorithmConfig):
-    awm_weighting: str = "uniform"
+    awm_weighting: str = "ghuber"
     """per-sample weighting of the flow-matching error: uniform | sigma | sigma2 | huber | ghuber (the paper's released configs)"""
     awm_ghuber_power: float = 0.25
     """p of the ghuber weighting"""

@@ -20,9 +20,8 @@ from collections import defaultdict
 import torch
 from tensordict import TensorDict
 
-from diffrl.engine import lora
-from diffrl.engine import parallel
 from diffrl.config import ModelConfig, OptimConfig, SamplerConfig
+from diffrl.engine import lora, parallel
 from diffrl.sampling.sde import is_deterministic, run_step
 
 

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-
-import torch
-
 import json
 from pathlib import Path
 from typing import Callable
+
+import torch
 
 from diffrl.config import SamplerConfig
 from diffrl.sampling.rollout import sample_trajectories

@@ -16,6 +16,7 @@ from diffrl.config import SamplerConfig
 from diffrl.sampling.sde import ODE_SOLVERS, is_deterministic, randn_per_sample, run_step
 from diffrl.sampling.seeding import generators as make_generators
 
+
 def uint8_images(images: torch.Tensor) -> torch.Tensor:
     """Float images in [0, 1] → uint8 ``[B, 3, H, W]`` (round to nearest)."""
     return (images.float().clamp(0, 1) * 255.0).round().to(torch.uint8)

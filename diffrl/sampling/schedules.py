@@ -12,7 +12,6 @@ import torch
 
 from diffrl.sampling.seeding import Stream, generator
 
-
 # ------------------------------------------------------------------------------------------------
 # Training windows: which denoising steps are stochastic (SDE) and which of those are trained
 # ------------------------------------------------------------------------------------------------

@@ -26,14 +26,13 @@ import pandas as pd
 
 from diffrl import wandb_file
 from diffrl.checkpoint import list_checkpoints
-from diffrl.sampling.evaluation import eval_prompts_and_seeds
 from diffrl.data import read_prompt_file
-from pipelines import build_adapter
-from rewards.base import build_reward
-from diffrl.sampling.evaluation import deterministic_settings
+from diffrl.distributed.workers import TrainingWorker
+from diffrl.sampling.evaluation import deterministic_settings, eval_prompts_and_seeds
 from diffrl.sampling.rollout import sample_trajectories
 from diffrl.trainer import worker_config
-from diffrl.distributed.workers import TrainingWorker
+from pipelines import build_adapter
+from rewards.base import build_reward
 
 _EVAL_FILE = re.compile(r"eval_step_(\d+)\.(png|jsonl)$")
 _STEP_DIR = re.compile(r"step_(\d+)$")

@@ -15,12 +15,11 @@ import argparse
 import json
 import os
 import sys
-from diffrl.recipes import compose
-from diffrl.trainer import Trainer
-from diffrl.tools import commands, reward_server
-from diffrl.recipes import ConfigError
+
 from diffrl.logging import WandbInitError
-from diffrl.trainer import RunFolderError
+from diffrl.recipes import ConfigError, compose
+from diffrl.tools import commands, reward_server
+from diffrl.trainer import RunFolderError, Trainer
 from rewards.base import RewardError
 
 

@@ -33,21 +33,16 @@ import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from diffrl.checkpoint import list_checkpoints
-from diffrl.recipes import ConfigError
-from diffrl.recipes import Config, ConfigError, compose
+
+from diffrl.checkpoint import list_checkpoints, write_json_atomic
+from diffrl.data import read_prompt_file
 from diffrl.distributed import build_worker_group
 from diffrl.distributed.workers import ActorRolloutRefWorker
-from diffrl.trainer import worker_config
-from rewards.base import build_reward
-from diffrl.logging import main_score
-from rewards.base import call_reward
-from diffrl.data import read_prompt_file
-from diffrl.trainer import RunFolderError
-from diffrl.logging import save_gif, save_grid
+from diffrl.logging import main_score, save_gif, save_grid
+from diffrl.recipes import Config, ConfigError, compose
 from diffrl.sampling.evaluation import eval_prompts_and_seeds
-from diffrl.logging import save_grid
-from diffrl.checkpoint import write_json_atomic
+from diffrl.trainer import RunFolderError, worker_config
+from rewards.base import build_reward, call_reward
 
 # family -> (diffusers pipeline class whose LoRA loader reads the file, component name = key prefix)
 LORA_FORMATS = {

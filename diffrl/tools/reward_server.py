@@ -25,11 +25,8 @@ import time
 from collections import defaultdict
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable
-from rewards.base import call_reward
-from rewards.base import reward_spec
-from rewards.base import decode_png
-from rewards.base import build_reward
-from rewards.base import TOKEN_ENV
+
+from rewards.base import TOKEN_ENV, build_reward, call_reward, decode_png, reward_spec
 
 DEFAULT_PORT = 8765
 

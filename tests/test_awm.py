@@ -1,15 +1,19 @@
-"""Tests for diffrl.algorithms.awm_loss: AWM's advantage-weighted flow-matching loss, checked against hand
-computations, its gradient direction, its zero-advantage invariance and the closed form of its anchor terms."""
+"""AWM (diffrl.algorithms.awm): its advantage-weighted flow-matching loss against hand computations, its
+gradient direction, its zero-advantage invariance and the closed form of its anchor terms; its config keys
+through the registry; and a short run of the digits_awm recipe raising gold accuracy. (Gradient-accumulation
+invariance of its objective: tests/test_algorithms.py.)"""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 import torch
 
 from diffrl.algorithms.awm_loss import AWM_WEIGHTINGS, awm_loss
-
+from diffrl.recipes import ConfigError, compose
+from diffrl.tools.cli import main
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -159,3 +163,28 @@ def test_bad_input():
         awm_loss(v, torch.zeros(2, 4), a, sigma=0.5)
     with pytest.raises(ValueError, match="adv_clip_max"):
         awm_loss(v, t, a, sigma=0.5, adv_clip_max=0.0)
+
+
+def test_awm_keys_come_from_its_own_config():
+    cfg = compose(["experiment=digits_awm", "algorithm.awm_num_timesteps=2"])
+    assert cfg.algorithm.trainer == "awm" and cfg.algorithm.awm_weighting == "ghuber" and cfg.algorithm.awm_num_timesteps == 2
+    with pytest.raises(ConfigError, match="awm_num_timestep"):
+        compose(["experiment=digits_awm", "algorithm.awm_num_timestep=2"])
+
+
+def test_bad_awm_values_stop_before_any_work(tmp_path, capsys):
+    assert main(["train", "experiment=digits_awm", "algorithm.awm_weighting=cubic", f"trainer.output_dir={tmp_path / 'r'}"]) == 2
+    assert "algorithm.awm_weighting" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.recipe
+def test_digits_awm_raises_gold_accuracy_in_a_short_run(tmp_path):
+    """40 steps of the recipe (of its 150): gold accuracy on the 60 prompts × 1 held-out seed rises by ≥ 15 points
+    (measured: +35 at step 50 with 4 seeds per prompt, RESULTS.md)."""
+    out = tmp_path / "awm"
+    assert main(["train", "experiment=digits_awm", "trainer.steps=40", "trainer.eval_every=40", "trainer.eval_seeds_per_prompt=1",
+                 "trainer.checkpoint_every=40", "trainer.progress=false", "trainer.wandb=disabled", f"trainer.output_dir={out}"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["gold_accuracy_after"] - summary["gold_accuracy_before"] >= 0.15, summary
+    assert summary["reward_after"] > summary["reward_before"]
