@@ -180,11 +180,11 @@ def test_bad_awm_values_stop_before_any_work(tmp_path, capsys):
 
 @pytest.mark.recipe
 def test_digits_awm_raises_gold_accuracy_in_a_short_run(tmp_path):
-    """40 steps of the recipe (of its 150): gold accuracy on the 60 prompts × 1 held-out seed rises by ≥ 15 points
-    (measured: +35 at step 50 with 4 seeds per prompt, RESULTS.md)."""
+    """25 steps of the recipe (of its 150): gold accuracy on the 60 prompts × 1 held-out seed rises by ≥ 10 points
+    (measured here: 0.483 → 0.683 in 25 s; the whole recipe: +50 points, RESULTS.md)."""
     out = tmp_path / "awm"
-    assert main(["train", "experiment=digits_awm", "trainer.steps=40", "trainer.eval_every=40", "trainer.eval_seeds_per_prompt=1",
-                 "trainer.checkpoint_every=40", "trainer.progress=false", "trainer.wandb=disabled", f"trainer.output_dir={out}"]) == 0
+    assert main(["train", "experiment=digits_awm", "trainer.steps=25", "trainer.eval_every=25", "trainer.eval_seeds_per_prompt=1",
+                 "trainer.checkpoint_every=25", "trainer.progress=false", "trainer.wandb=disabled", f"trainer.output_dir={out}"]) == 0
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["gold_accuracy_after"] - summary["gold_accuracy_before"] >= 0.15, summary
+    assert summary["gold_accuracy_after"] - summary["gold_accuracy_before"] >= 0.10, summary
     assert summary["reward_after"] > summary["reward_before"]
