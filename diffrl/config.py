@@ -203,6 +203,12 @@ class TrainerConfig:
     """Ray: GPUs per worker (0 on CPU)"""
     num_cpus_per_worker: float = 1.0
     """Ray: CPUs per worker"""
+    ray_address: Optional[str] = None
+    """Ray: the cluster to join (auto, host:port or ray://head:10001); null: start a local Ray in this process"""
+    ray_rendezvous_timeout_s: float = 300.0
+    """Ray: seconds for the ranks' placement and process-group rendezvous before a clear error"""
+    ray_call_timeout_s: Optional[float] = None
+    """Ray: seconds a worker call may take before an error naming the ranks that did not answer (null: no limit)"""
     resume: str = "never"
     """never | auto: continue from the newest complete checkpoint in output_dir (partial ones are ignored)"""
     wandb: str = "offline"

@@ -143,7 +143,8 @@ class Trainer:
         self.window = build_window(cfg)
         self.workers: WorkerGroup = build_worker_group(
             ActorRolloutRefWorker, worker_config(cfg, self.algorithm), backend=t.backend, num_workers=t.num_workers,
-            **({"num_cpus_per_worker": t.num_cpus_per_worker, "num_gpus_per_worker": t.num_gpus_per_worker, "threads": t.threads} if t.backend == "ray" else {}),
+            **({"num_cpus_per_worker": t.num_cpus_per_worker, "num_gpus_per_worker": t.num_gpus_per_worker, "threads": t.threads, "address": t.ray_address,
+                "rendezvous_timeout_s": t.ray_rendezvous_timeout_s, "call_timeout_s": t.ray_call_timeout_s} if t.backend == "ray" else {}),
         )
         self.workers.init_model()
         self.workers.set_loss_fn(self.algorithm.objective())

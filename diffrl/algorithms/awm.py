@@ -27,7 +27,7 @@ from tensordict import TensorDict
 from diffrl.algorithms.awm_loss import AWM_WEIGHTINGS, awm_loss
 from diffrl.algorithms.base import Algorithm, RolloutPlan, StepResult, register_algorithm
 from diffrl.algorithms.dpo import sample_only_plan
-from diffrl.algorithms.objectives import forward_noise, objective_noise, schedule_levels
+from diffrl.algorithms.objectives import renoised_clean_samples
 from diffrl.algorithms.policy_gradient import RewardAdvantages
 from diffrl.config import AlgorithmConfig
 from diffrl.sampling.schedules import WindowMasks
@@ -55,26 +55,18 @@ class AWMObjective:
         self.needs_reference = kl_beta > 0
 
     def micro_losses(self, engine, micro: TensorDict, seed: int):
-        adapter = engine.adapter
-        if adapter.prediction_type != "flow":
-            raise ValueError("the awm objective needs a flow-matching model (velocity prediction)")
-        device = adapter.device
-        x0 = micro["latents"][:, -1].to(device).float()
-        cond = micro["cond"].to(device)
-        levels = schedule_levels(micro["sigmas"][0], micro["seeds"], seed, self.num_timesteps)
-        for k in range(levels.shape[0]):
-            sigma = levels[k].to(device)
-            x_t, target = forward_noise(x0, sigma, objective_noise(micro["seeds"], seed, k, x0.shape[1:], device), "flow")
+        guidance, advantages = engine.sampler.guidance_scale, micro["advantages"].to(engine.adapter.device)
+        for piece in renoised_clean_samples(engine, micro, seed, self.num_timesteps, "awm"):
             v_ref = None
             if self.needs_reference:
                 with torch.no_grad(), engine.reference() as ref:
-                    v_ref = ref.predict(x_t, sigma, cond, engine.sampler.guidance_scale)
-            v_theta = adapter.predict(x_t, sigma, cond, engine.sampler.guidance_scale)
+                    v_ref = ref.predict(piece.x_t, piece.sigma, piece.cond, guidance)
+            v_theta = engine.adapter.predict(piece.x_t, piece.sigma, piece.cond, guidance)
             loss, metrics = awm_loss(
-                v_theta, target, micro["advantages"].to(device), sigma=sigma, weighting=self.weighting, ghuber_power=self.ghuber_power,
+                v_theta, piece.target, advantages, sigma=piece.sigma, weighting=self.weighting, ghuber_power=self.ghuber_power,
                 adv_clip_max=self.adv_clip_max, kl_beta=self.kl_beta, v_ref=v_ref,
             )
-            yield loss, 1.0 / len(levels), {k: v for k, v in metrics.items() if math.isfinite(v)}
+            yield loss, piece.weight, {k: v for k, v in metrics.items() if math.isfinite(v)}
 
 
 @register_algorithm("awm")

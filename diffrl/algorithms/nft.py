@@ -17,7 +17,7 @@ from tensordict import TensorDict
 from diffrl.algorithms.base import Algorithm, RolloutPlan, StepResult, register_algorithm
 from diffrl.algorithms.dpo import sample_only_plan
 from diffrl.algorithms.losses import nft_loss, nft_reward_to_r
-from diffrl.algorithms.objectives import forward_noise, objective_noise, schedule_levels
+from diffrl.algorithms.objectives import renoised_clean_samples
 from diffrl.config import AlgorithmConfig
 from diffrl.sampling.schedules import WindowMasks
 
@@ -56,28 +56,20 @@ class NFTObjective:
         self.needs_reference = kl_beta > 0
 
     def micro_losses(self, engine, micro: TensorDict, seed: int):
-        adapter = engine.adapter
-        if adapter.prediction_type != "flow":
-            raise ValueError("the nft objective needs a flow-matching model (velocity prediction)")
-        device = adapter.device
-        x0 = micro["latents"][:, -1].to(device).float()
-        cond = micro["cond"].to(device)
-        levels = schedule_levels(micro["sigmas"][0], micro["seeds"], seed, self.num_timesteps)
-        for k in range(levels.shape[0]):
-            sigma = levels[k].to(device)
-            x_t, target = forward_noise(x0, sigma, objective_noise(micro["seeds"], seed, k, x0.shape[1:], device), "flow")
+        guidance, r = engine.sampler.guidance_scale, micro["nft_r"].to(engine.adapter.device)
+        for piece in renoised_clean_samples(engine, micro, seed, self.num_timesteps, "nft"):
             with torch.no_grad(), engine.old_policy() as old:
-                v_old = old.predict(x_t, sigma, cond, engine.sampler.guidance_scale)
+                v_old = old.predict(piece.x_t, piece.sigma, piece.cond, guidance)
             v_ref = None
             if self.needs_reference:
                 with torch.no_grad(), engine.reference() as ref:
-                    v_ref = ref.predict(x_t, sigma, cond, engine.sampler.guidance_scale)
-            v_theta = adapter.predict(x_t, sigma, cond, engine.sampler.guidance_scale)
+                    v_ref = ref.predict(piece.x_t, piece.sigma, piece.cond, guidance)
+            v_theta = engine.adapter.predict(piece.x_t, piece.sigma, piece.cond, guidance)
             loss, metrics = nft_loss(
-                v_theta, v_old, target, micro["nft_r"].to(device), nft_beta=self.nft_beta,
-                adaptive_weight=self.adaptive_weight, sigma=sigma, kl_beta=self.kl_beta, v_ref=v_ref,
+                v_theta, v_old, piece.target, r, nft_beta=self.nft_beta, adaptive_weight=self.adaptive_weight, sigma=piece.sigma,
+                kl_beta=self.kl_beta, v_ref=v_ref,
             )
-            yield loss, 1.0 / len(levels), metrics
+            yield loss, piece.weight, metrics
 
 
 def old_decay(schedule: str, step: int, *, rate: float | None = None, max_decay: float | None = None, delay: int | None = None) -> float:

@@ -12,7 +12,11 @@ optimizer step's ``seed`` (``diffrl.sampling.seeding``), so a piece is the same 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Iterator
+
 import torch
+from tensordict import TensorDict
 
 from diffrl.sampling.sde import randn_per_sample
 from diffrl.sampling.seeding import Stream, derive, generators
@@ -46,3 +50,35 @@ def schedule_levels(sigmas: torch.Tensor, seeds: torch.Tensor, seed: int, n: int
     n = len(levels) if n is None else max(1, min(n, len(levels)))
     orders = [torch.randperm(len(levels), generator=g)[:n] for g in generators([derive(seed, Stream.NFT_TIMESTEPS, int(s)) for s in seeds.tolist()])]
     return levels[torch.stack(orders, 1)]
+
+
+@dataclass(frozen=True)
+class Renoised:
+    """One noise level of a flow objective's micro-batch: ``x_t = (1 − σ)·x0 + σ·ε`` and the target ``ε − x0``."""
+
+    sigma: torch.Tensor
+    x_t: torch.Tensor
+    target: torch.Tensor
+    cond: TensorDict
+    weight: float
+    """the level's share of the micro-batch's loss (1 / number of levels)"""
+
+
+def renoised_clean_samples(engine, micro: TensorDict, seed: int, num_timesteps: int | None, objective: str) -> Iterator[Renoised]:
+    """The clean samples ``latents[:, -1]`` of ``micro`` re-noised at ``num_timesteps`` levels of the sampler's
+    schedule (:func:`schedule_levels`) with the objective's noise (:func:`objective_noise`), on the engine's device.
+
+    Raises:
+        ValueError: for a model that does not predict velocity (``objective`` names the caller).
+    """
+    adapter = engine.adapter
+    if adapter.prediction_type != "flow":
+        raise ValueError(f"the {objective} objective needs a flow-matching model (velocity prediction)")
+    device = adapter.device
+    x0 = micro["latents"][:, -1].to(device).float()
+    cond = micro["cond"].to(device)
+    levels = schedule_levels(micro["sigmas"][0], micro["seeds"], seed, num_timesteps)
+    for k in range(levels.shape[0]):
+        sigma = levels[k].to(device)
+        x_t, target = forward_noise(x0, sigma, objective_noise(micro["seeds"], seed, k, x0.shape[1:], device), "flow")
+        yield Renoised(sigma, x_t, target, cond, 1.0 / len(levels))

@@ -1,8 +1,17 @@
-"""One Ray actor per rank: each joins a torch.distributed group (NCCL on GPU, gloo on CPU) and shards
-the denoiser with FSDP2; the driver dispatches registered methods to all of them."""
+"""One Ray actor per rank, on one machine or across a cluster: each joins a torch.distributed group (NCCL on
+GPU, gloo on CPU) and shards the denoiser with FSDP2; the driver dispatches registered methods to all of them.
+
+Placement: the ranks are packed node by node (one ``STRICT_PACK`` placement group per node, pinned to it by
+its ``node:<ip>`` resource; nodes in turn, the driver's first), so rank order follows the hardware and each
+node's ranks are contiguous. A cluster with too few CPUs/GPUs is an error within seconds, naming what is
+missing. Rendezvous the way torchrun does it: rank 0's actor reports its node's address and a free port on
+*that* node, and every rank joins there. Rendezvous and worker calls have timeouts whose errors name the
+ranks and nodes that did not answer.
+"""
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 
@@ -12,26 +21,63 @@ from diffrl.distributed.controller import Executor
 from diffrl.engine import parallel
 
 
-def _free_port() -> int:
+def _free_port(host: str) -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
 class RankWorker:
     """The Ray actor body: a process-group member holding one worker of ``worker_cls``."""
 
-    def __init__(self, worker_cls: type, config, role: str, rank: int, world_size: int, master_addr: str, master_port: int, threads: int | None, backend: str | None):
+    def __init__(self, threads: int | None):
         if threads:
             torch.set_num_threads(threads)
-        self.backend = parallel.init_distributed(rank, world_size, master_addr, master_port, backend)
+        self.worker = None
+        self.backend = None
+
+    def node_address(self) -> tuple[str, int]:
+        """This actor's node address and a free port on it (rank 0's are the rendezvous point)."""
+        import ray
+
+        host = ray.util.get_node_ip_address()
+        return host, _free_port(host)
+
+    def setup(self, worker_cls: type, config, role: str, rank: int, world_size: int, master_addr: str, master_port: int,
+              backend: str | None, timeout_s: float | None) -> str:
+        self.backend = parallel.init_distributed(rank, world_size, master_addr, master_port, backend, timeout_s)
         self.worker = worker_cls(config, role=role)
+        return self.backend
 
     def execute(self, method: str, args: tuple, kwargs: dict):
         return getattr(self.worker, method)(*args, **kwargs)
 
-    def ready(self) -> str:
-        return self.backend
+
+def _node_plan(nodes: list[dict], num_workers: int, cpus: float, gpus: float, driver_ip: str) -> list[tuple[str, int]]:
+    """``[(node ip, ranks)]``: ranks packed node by node (the driver's node first, then by address).
+
+    Raises:
+        RuntimeError: naming the capacity and what is missing when the nodes cannot hold ``num_workers``.
+    """
+    alive = sorted((n for n in nodes if n.get("Alive")), key=lambda n: (n["NodeManagerAddress"] != driver_ip, n["NodeManagerAddress"]))
+    plan, left, described = [], num_workers, []
+    for node in alive:
+        res = node.get("Resources", {})
+        fits = math.floor(res.get("CPU", 0) / cpus + 1e-9) if cpus > 0 else num_workers
+        if gpus > 0:
+            fits = min(fits, math.floor(res.get("GPU", 0) / gpus + 1e-9))
+        described.append(f"{node['NodeManagerAddress']}: {res.get('CPU', 0):g} CPU, {res.get('GPU', 0):g} GPU → {fits}")
+        take = min(fits, left)
+        if take > 0:
+            plan.append((node["NodeManagerAddress"], take))
+            left -= take
+    if left > 0:
+        raise RuntimeError(
+            f"the Ray cluster cannot hold trainer.num_workers={num_workers} ranks of {cpus:g} CPU and {gpus:g} GPU each: room for "
+            f"{num_workers - left} ({'; '.join(described) or 'no alive node'}); {left} more rank(s) need "
+            f"{left * cpus:g} CPU{f' and {left * gpus:g} GPU' if gpus else ''} — add nodes or lower trainer.num_workers / trainer.num_cpus_per_worker"
+        )
+    return plan
 
 
 class RayExecutor(Executor):
@@ -44,35 +90,86 @@ class RayExecutor(Executor):
         num_cpus_per_worker, num_gpus_per_worker: Ray resources of each actor.
         threads: torch CPU threads of each actor.
         backend: torch.distributed backend (default NCCL with GPUs, else gloo).
-        ray_init: keyword arguments of ``ray.init`` when Ray is not running yet.
+        address: the Ray cluster to join when Ray is not running yet (``auto``, ``host:port``, ``ray://…``);
+            None starts a local one.
+        rendezvous_timeout_s: seconds for placement and the process-group rendezvous.
+        call_timeout_s: seconds a worker call may take (None: no limit).
+        ray_init: further keyword arguments of ``ray.init`` when Ray is not running yet.
     """
 
-    def __init__(self, worker_cls: type, config, *, num_workers: int, role: str = "actor_rollout_ref", num_cpus_per_worker: float = 1, num_gpus_per_worker: float = 0,
-                 threads: int | None = None, backend: str | None = None, ray_init: dict | None = None):
+    def __init__(self, worker_cls: type, config, *, num_workers: int, role: str = "actor_rollout_ref", num_cpus_per_worker: float = 1,
+                 num_gpus_per_worker: float = 0, threads: int | None = None, backend: str | None = None, address: str | None = None,
+                 rendezvous_timeout_s: float = 300.0, call_timeout_s: float | None = None, ray_init: dict | None = None):
         import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         if num_workers < 1:
             raise ValueError(f"trainer.num_workers must be ≥ 1, got {num_workers}")
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
             env = {"env_vars": {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}}
-            ray.init(**{"include_dashboard": False, "log_to_driver": True, "runtime_env": env, **(ray_init or {})})
+            ray.init(**{"address": address, "include_dashboard": False, "log_to_driver": True, "runtime_env": env, **(ray_init or {})})
         self.world_size = num_workers
-        port = _free_port()
-        actor = ray.remote(num_cpus=num_cpus_per_worker, num_gpus=num_gpus_per_worker)(RankWorker)
-        self.actors = [actor.remote(worker_cls, config, role, r, num_workers, "127.0.0.1", port, threads, backend) for r in range(num_workers)]
-        ray.get([a.ready.remote() for a in self.actors])
+        self.call_timeout_s = call_timeout_s
+        self.actors, self.placement_groups = [], []
+        bundle = {"CPU": float(num_cpus_per_worker), **({"GPU": float(num_gpus_per_worker)} if num_gpus_per_worker else {})}
+        self.rank_nodes: list[str] = []
+        try:
+            self.plan = _node_plan(ray.nodes(), num_workers, float(num_cpus_per_worker), float(num_gpus_per_worker), ray.util.get_node_ip_address())
+            for ip, count in self.plan:
+                pg = placement_group([{**bundle, f"node:{ip}": 0.001}] * count, strategy="STRICT_PACK")
+                self.placement_groups.append(pg)
+                ready, _ = ray.wait([pg.ready()], timeout=rendezvous_timeout_s)
+                if not ready:
+                    raise TimeoutError(f"Ray could not reserve {count} × {bundle} on node {ip} within {rendezvous_timeout_s:g} s "
+                                       "(busy with other work?); raise trainer.ray_rendezvous_timeout_s or free the node")
+                for index in range(count):
+                    strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index)
+                    options = {"num_cpus": num_cpus_per_worker, "num_gpus": num_gpus_per_worker, "scheduling_strategy": strategy}
+                    self.actors.append(ray.remote(RankWorker).options(**options).remote(threads))
+                    self.rank_nodes.append(ip)
+            self.master_addr, self.master_port = self._get([self.actors[0].node_address.remote()], "the rendezvous address", rendezvous_timeout_s)[0]
+            setups = [a.setup.remote(worker_cls, config, role, r, num_workers, self.master_addr, self.master_port, backend, rendezvous_timeout_s)
+                      for r, a in enumerate(self.actors)]
+            self._get(setups, "the process-group rendezvous", rendezvous_timeout_s)
+        except BaseException:
+            for a in self.actors:
+                ray.kill(a)
+            for pg in self.placement_groups:
+                remove_placement_group(pg)
+            if self._owns_ray:
+                ray.shutdown()
+            raise
 
-    def call_all(self, method: str, args_per_rank: list[tuple], kwargs: dict) -> list:
+    def _get(self, refs: list, what: str, timeout_s: float | None) -> list:
+        """``ray.get`` of one ref per rank (or of the first ranks), with errors that name the rank and its node."""
         import ray
 
-        return ray.get([a.execute.remote(method, args, kwargs) for a, args in zip(self.actors, args_per_rank)])
+        ready, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        if pending:
+            late = [f"rank {i} on {self.rank_nodes[i]}" for i, ref in enumerate(refs) if ref in pending]
+            raise TimeoutError(f"{what} did not finish within {timeout_s:g} s: no answer from {', '.join(late)}")
+        out = []
+        for i, ref in enumerate(refs):
+            try:
+                out.append(ray.get(ref))
+            except ray.exceptions.RayActorError as exc:
+                raise RuntimeError(f"{what}: the worker of rank {i} on {self.rank_nodes[i]} died ({exc})") from None
+        return out
+
+    def call_all(self, method: str, args_per_rank: list[tuple], kwargs: dict) -> list:
+        refs = [a.execute.remote(method, args, kwargs) for a, args in zip(self.actors, args_per_rank)]
+        return self._get(refs, f"worker call {method}", self.call_timeout_s)
 
     def shutdown(self) -> None:
         import ray
+        from ray.util.placement_group import remove_placement_group
 
         for a in self.actors:
             ray.kill(a)
-        self.actors = []
+        for pg in self.placement_groups:
+            remove_placement_group(pg)
+        self.actors, self.placement_groups = [], []
         if self._owns_ray:
             ray.shutdown()

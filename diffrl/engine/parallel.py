@@ -7,6 +7,7 @@ then the root with ``fully_shard`` (FSDP2). Parameters become ``DTensor`` shards
 
 from __future__ import annotations
 
+import datetime
 import os
 
 import torch
@@ -25,8 +26,9 @@ def world_size() -> int:
     return torch.distributed.get_world_size() if is_distributed() else 1
 
 
-def init_distributed(rank: int, world_size: int, master_addr: str, master_port: int, backend: str | None = None) -> str:
-    """Join the process group (NCCL on GPU, gloo on CPU unless ``backend`` says otherwise)."""
+def init_distributed(rank: int, world_size: int, master_addr: str, master_port: int, backend: str | None = None, timeout_s: float | None = None) -> str:
+    """Join the process group (NCCL on GPU, gloo on CPU unless ``backend`` says otherwise); ``timeout_s`` bounds
+    the rendezvous and every collective (torch's default when None)."""
     if is_distributed():
         return torch.distributed.get_backend()
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
@@ -34,7 +36,8 @@ def init_distributed(rank: int, world_size: int, master_addr: str, master_port: 
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast on shared hosts
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    torch.distributed.init_process_group(backend=backend, rank=rank, world_size=world_size)
+    kwargs = {"timeout": datetime.timedelta(seconds=timeout_s)} if timeout_s else {}
+    torch.distributed.init_process_group(backend=backend, rank=rank, world_size=world_size, **kwargs)
     return backend
 
 
