@@ -5,7 +5,6 @@ run, and a clear error within seconds when the cluster is too small. Only loopba
 from __future__ import annotations
 
 import os
-import secrets
 import socket
 import subprocess
 import sys
@@ -42,10 +41,13 @@ def _ray(*args: str, env: dict) -> None:
 @pytest.fixture
 def two_node_cluster(tmp_path, monkeypatch):
     """A Ray head (1 CPU) and a worker node (1 CPU) on loopback addresses; stopped afterwards. Token
-    authentication on every node and the driver, with one token (as a real cluster would run it)."""
+    authentication on every node and the driver, with the machine's Ray token (``~/.ray/auth_token``, which any
+    local ``ray.init()`` creates too), as a real cluster runs it; this process keeps reading that same token."""
     monkeypatch.setenv("RAY_AUTH_MODE", "token")
-    monkeypatch.setenv("RAY_AUTH_TOKEN", secrets.token_hex(32))
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")]))}
+    for key in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        assert key not in env, f"{key} is set: the test uses the machine's Ray token file"
+    _ray("get-auth-token", "--generate", env=env)
     port = _free_port(HEAD)
     common = ["--num-cpus=1", "--num-gpus=0", "--object-store-memory=150000000", "--disable-usage-stats"]
     try:
