@@ -115,7 +115,7 @@ def worker_config(cfg: Config | DictConfig, algorithm: Algorithm | None = None) 
 
 
 class Trainer:
-    """Runs one recipe (a composed config from ``diffrl.config.compose``)."""
+    """Runs one recipe (a composed config from ``diffrl.recipes.compose``, or the ``Config`` dataclasses)."""
 
     def __init__(self, cfg: Config | DictConfig):
         self.cfg = cfg = to_config(cfg)
