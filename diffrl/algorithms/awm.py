@@ -25,8 +25,7 @@ import torch
 from tensordict import TensorDict
 
 from diffrl.algorithms.awm_loss import AWM_WEIGHTINGS, awm_loss
-from diffrl.algorithms.base import Algorithm, RolloutPlan, StepResult, register_algorithm
-from diffrl.algorithms.dpo import sample_only_plan
+from diffrl.algorithms.base import Algorithm, RolloutPlan, StepResult, register_algorithm, sample_only_plan
 from diffrl.algorithms.objectives import renoised_clean_samples
 from diffrl.algorithms.policy_gradient import RewardAdvantages
 from diffrl.config import AlgorithmConfig

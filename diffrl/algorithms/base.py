@@ -28,6 +28,7 @@ from tensordict import TensorDict
 
 from diffrl.config import AlgorithmConfig, SamplerConfig
 from diffrl.sampling.schedules import WindowMasks
+from diffrl.sampling.sde import is_deterministic
 from diffrl.sampling.seeding import Stream, derive, generator
 
 
@@ -189,6 +190,14 @@ def arrange_for_data_parallel(data: TensorDict, *, mini_batch_size: int, world_s
             start = m * mini_batch_size + r * per
             rows.append(order[start : start + per])
     return data[torch.cat(rows)]
+
+
+def sample_only_plan(sampler, masks: WindowMasks, policy: str) -> RolloutPlan:
+    """A rollout that trains no step (objectives on clean samples): stochastic where the window says so
+    unless the sampler's kind is deterministic."""
+    none_trained = torch.zeros_like(masks.trained)
+    stochastic = none_trained if is_deterministic(sampler.kind, sampler.noise_level) else masks.stochastic
+    return RolloutPlan(policy, none_trained, stochastic)
 
 
 ALGORITHMS: dict[str, type[Algorithm]] = {}

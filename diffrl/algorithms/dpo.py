@@ -14,13 +14,12 @@ from typing import Optional
 import torch
 from tensordict import TensorDict
 
-from diffrl.algorithms.base import Algorithm, RolloutPlan, StepResult, register_algorithm
+from diffrl.algorithms.base import Algorithm, RolloutPlan, StepResult, register_algorithm, sample_only_plan
 from diffrl.algorithms.losses import dpo_loss
 from diffrl.algorithms.objectives import forward_noise, objective_noise
 from diffrl.config import AlgorithmConfig
 from diffrl.data import read_preference_pairs
 from diffrl.sampling.schedules import WindowMasks
-from diffrl.sampling.sde import is_deterministic
 from diffrl.sampling.seeding import Stream, derive, generator, generators
 
 
@@ -92,14 +91,6 @@ def online_pairs(traj: TensorDict, rewards: torch.Tensor) -> TensorDict:
         },
         batch_size=[len(winners)],
     )
-
-
-def sample_only_plan(sampler, masks: WindowMasks, policy: str) -> RolloutPlan:
-    """A rollout that trains no step (objectives on clean samples): stochastic where the window says so
-    unless the sampler's kind is deterministic."""
-    none_trained = torch.zeros_like(masks.trained)
-    stochastic = none_trained if is_deterministic(sampler.kind, sampler.noise_level) else masks.stochastic
-    return RolloutPlan(policy, none_trained, stochastic)
 
 
 @register_algorithm("preference")

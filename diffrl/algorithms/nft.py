@@ -14,8 +14,7 @@ from typing import Optional
 import torch
 from tensordict import TensorDict
 
-from diffrl.algorithms.base import Algorithm, RolloutPlan, StepResult, register_algorithm
-from diffrl.algorithms.dpo import sample_only_plan
+from diffrl.algorithms.base import Algorithm, RolloutPlan, StepResult, register_algorithm, sample_only_plan
 from diffrl.algorithms.losses import nft_loss, nft_reward_to_r
 from diffrl.algorithms.objectives import renoised_clean_samples
 from diffrl.config import AlgorithmConfig
