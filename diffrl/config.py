@@ -10,14 +10,96 @@ Sizes are global: ``trainer.prompts_per_step`` prompts × ``trainer.group_size``
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 from omegaconf import DictConfig, OmegaConf
+
+STD_MODES = ("group", "global", "none")
+AGGREGATION_MODES = ("sum_rewards", "sum_advantages")
+LR_SCHEDULES = ("constant", "linear", "cosine")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class Check:
+    """The valid values of one config key: a numeric range (``lo``/``hi``, open or closed) or ``choices``.
+
+    Each config dataclass lists its keys' checks in ``CHECKS``; ``diffrl.recipes.validate`` applies them
+    (through the class hierarchy) before a run builds anything. ``None`` passes where the field is
+    optional; ``note`` says what a boundary value means (e.g. "0: only at the end")."""
+
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+    hi_open: bool = False
+    integer: bool = False
+    choices: tuple | None = None
+    note: str = ""
+
+    def describe(self) -> str:
+        if self.choices is not None:
+            return "one of " + ", ".join(map(str, self.choices))
+        kind = "an integer" if self.integer else "a number"
+        parts = []
+        if self.lo is not None:
+            parts.append(f"{'>' if self.lo_open else '≥'} {self.lo:g}")
+        if self.hi is not None:
+            parts.append(f"{'<' if self.hi_open else '≤'} {self.hi:g}")
+        text = f"{kind} {' and '.join(parts)}" if parts else kind
+        return text + (f" ({self.note})" if self.note else "")
+
+    def rejected_examples(self) -> list[Any]:
+        """Values this check rejects: just outside each bound, zero or negative where invalid, a non-integer
+        for integer keys, a wrong type and an unknown choice (the fault-injection tests try them all)."""
+        if self.choices is not None:
+            return ["not-a-choice", 3]
+        out: list[Any] = ["abc", float("nan"), True]
+        if self.lo is not None:
+            out.append(self.lo if self.lo_open else self.lo - 1)
+            out.append(self.lo - 10)
+        if self.hi is not None:
+            out.append(self.hi if self.hi_open else self.hi + 1)
+        if self.integer:
+            out.append((self.lo or 0) + 1.5)
+        return [v for v in out if not self.ok(v)]
+
+    def ok(self, value: Any) -> bool:
+        if self.choices is not None:
+            return value in self.choices
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return False
+        if self.integer and not float(value).is_integer():
+            return False
+        if not math.isfinite(value):
+            return False
+        if self.lo is not None and (value <= self.lo if self.lo_open else value < self.lo):
+            return False
+        return not (self.hi is not None and (value >= self.hi if self.hi_open else value > self.hi))
+
+
+def at_least(lo: float, *, integer: bool = True, note: str = "") -> Check:
+    return Check(lo=lo, integer=integer, note=note)
+
+
+def positive(*, integer: bool = False, note: str = "") -> Check:
+    return Check(lo=0, lo_open=True, integer=integer, note=note)
+
+
+def between(lo: float, hi: float, *, lo_open: bool = False, hi_open: bool = False, note: str = "") -> Check:
+    return Check(lo=lo, hi=hi, lo_open=lo_open, hi_open=hi_open, note=note)
+
+
+def one_of(*choices: Any) -> Check:
+    return Check(choices=tuple(choices))
 
 
 @dataclass
 class LoraConfig:
+    CHECKS: ClassVar[dict[str, Check]] = {
+        "rank": at_least(0, note="0: full fine-tuning"), "alpha": positive(), "dropout": between(0, 1, hi_open=True),
+    }
     rank: int = 8
     """LoRA rank; 0 = full fine-tuning"""
     alpha: float = 16.0
@@ -30,6 +112,7 @@ class LoraConfig:
 
 @dataclass
 class ModelConfig:
+    CHECKS: ClassVar[dict[str, Check]] = {"dtype": one_of(*DTYPES)}
     family: str = "digits"
     """model family (pipelines/<family>)"""
     path: Optional[str] = None
@@ -60,6 +143,12 @@ class ModelConfig:
 
 @dataclass
 class SamplerConfig:
+    CHECKS: ClassVar[dict[str, Check]] = {
+        "num_steps": at_least(1), "noise_level": at_least(0, integer=False), "clip_sample": positive(),
+        "timestep_fraction": between(0, 1, lo_open=True), "window_size": at_least(1), "window_shift": at_least(0),
+        "window_shift_every": at_least(1), "guidance_scale": at_least(0, integer=False), "shift": positive(),
+        "height": at_least(1), "width": at_least(1), "micro_batch_size": at_least(1), "eval_num_steps": at_least(1),
+    }
     num_steps: int = 10
     """denoising steps K of rollouts"""
     kind: str = "flow_sde"
@@ -107,6 +196,11 @@ class SamplerConfig:
 class OptimConfig:
     """AdamW and its learning-rate schedule (the engine's optimizer; keys sit under ``algorithm.``)."""
 
+    CHECKS: ClassVar[dict[str, Check]] = {
+        "lr": positive(), "lr_schedule": one_of(*LR_SCHEDULES), "warmup_steps": at_least(0), "weight_decay": at_least(0, integer=False),
+        "eps": positive(), "max_grad_norm": Check(note="≤ 0: no clipping"),
+    }
+
     lr: float = 1e-3
     """AdamW learning rate"""
     lr_schedule: str = "constant"
@@ -127,6 +221,12 @@ class OptimConfig:
 class AlgorithmConfig(OptimConfig):
     """What every algorithm has. Each algorithm class (``diffrl.algorithms``) extends this with its own
     ``Config``; the ``algorithm`` schema is the union of the registered ones (``diffrl.recipes``)."""
+
+    CHECKS: ClassVar[dict[str, Check]] = {
+        "kl_beta": at_least(0, integer=False), "adv_std_mode": one_of(*STD_MODES), "adv_eps": at_least(0, integer=False),
+        "adv_clip_max": positive(), "reward_aggregation": one_of(*AGGREGATION_MODES), "epochs": at_least(1),
+        "mini_batch_size": at_least(1), "micro_batch_size": at_least(1),
+    }
 
     name: str = "flow_grpo"
     """algorithm name (documentation and run naming)"""
@@ -152,6 +252,7 @@ class AlgorithmConfig(OptimConfig):
 
 @dataclass
 class RewardConfig:
+    CHECKS: ClassVar[dict[str, Check]] = {"async_chunks": at_least(1)}
     names: list[str] = field(default_factory=lambda: ["digits"])
     """rewards to optimise: registry names, entry points or module:Class paths"""
     weights: list[float] = field(default_factory=list)
@@ -167,6 +268,15 @@ class RewardConfig:
 
 @dataclass
 class TrainerConfig:
+    CHECKS: ClassVar[dict[str, Check]] = {
+        "steps": at_least(1), "prompts_per_step": at_least(1), "group_size": at_least(1), "seed": at_least(0),
+        "eval_every": at_least(0, note="0: only before and after training"), "eval_seeds_per_prompt": at_least(1), "eval_seed": at_least(0),
+        "checkpoint_every": at_least(0, note="0: only at the end"), "max_grid_images": at_least(1), "threads": at_least(1),
+        "peak_flops": positive(), "backend": one_of("local", "ray"), "num_workers": at_least(1),
+        "num_gpus_per_worker": at_least(0, integer=False), "num_cpus_per_worker": at_least(0, integer=False),
+        "ray_rendezvous_timeout_s": positive(), "ray_call_timeout_s": positive(), "resume": one_of("never", "auto"),
+        "wandb": one_of("offline", "online", "disabled"),
+    }
     steps: int = 100
     """RL steps"""
     prompts_per_step: int = 8

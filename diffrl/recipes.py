@@ -9,15 +9,22 @@ dataclasses (``diffrl.config``).
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 
-from diffrl.algorithms import config_schema
-from diffrl.config import ModelConfig, RewardConfig, SamplerConfig, TrainerConfig
+from diffrl.algorithms import check_config, config_schema
+from diffrl.config import Check, ModelConfig, RewardConfig, SamplerConfig, TrainerConfig
+from diffrl.sampling.schedules import WINDOW_KINDS
+from diffrl.sampling.sde import ODE_SOLVERS, STEP_KINDS
+from pipelines.base import check_adapter_options
+from rewards.base import RewardError, resolve_reward
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 
@@ -81,7 +88,15 @@ def _explain(exc: Exception) -> str:
         where = f" under '{parent}'" if parent else ""
         return f"unknown config key '{full}'{where}; valid keys{where}: {valid}. Check the spelling (see diffrl/config.py and the algorithm's module in diffrl/algorithms/)."
     cause = exc.__cause__ or exc.__context__
-    return f"invalid configuration: {text}" + (f" ({cause})" if cause else "")
+    full = f"{text}\n{cause or ''}"
+    override = re.search(r"Error merging override ([^=\s]+)=(\S*)", full)
+    if override:
+        reason = str(cause or text).splitlines()[0].strip()
+        converted = re.search(r"Value '(.*?)' of type '(\w+)' could not be converted to (\w+)", reason)
+        if converted:
+            reason = f"it must be {'an' if converted.group(3)[0] in 'AEIOUaeiou' else 'a'} {converted.group(3).lower()}"
+        return f"{override.group(1)}={override.group(2)} has the wrong type: {reason} (see diffrl/config.py)"
+    return " ".join((f"invalid configuration: {text}" + (f" ({cause})" if cause else "")).split())
 
 
 def compose(overrides: list[str] | None = None, config_name: str = "config") -> DictConfig:
@@ -123,3 +138,76 @@ def to_config(cfg: DictConfig | Config) -> Config:
         OmegaConf.set_struct(schema.model.options, False)
         cfg = OmegaConf.merge(schema, cfg)
     return OmegaConf.to_object(cfg)
+
+
+def _checks(obj: Any) -> dict[str, Check]:
+    merged: dict[str, Check] = {}
+    for klass in reversed(type(obj).__mro__):
+        merged.update(vars(klass).get("CHECKS") or {})
+    return merged
+
+
+def checked_keys(obj: Any, prefix: str = "") -> list[tuple[str, Any, Check]]:
+    """``(dotted key, value, check)`` of every key with a value check in a config (dataclass) tree."""
+    checks, out = _checks(obj), []
+    for f in dataclasses.fields(obj):
+        value, key = getattr(obj, f.name), f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            out.extend(checked_keys(value, key + "."))
+        elif f.name in checks:
+            out.append((key, value, checks[f.name]))
+    return out
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def validate(cfg: Config | DictConfig) -> Config:
+    """Check every value of a run's config before anything is built; return it as :class:`Config`.
+
+    Ranges and choices come from each config class's ``CHECKS`` (``diffrl.config`` and each algorithm's
+    ``Config``); registry names (sampler kinds, windows, model family and its options, rewards,
+    algorithm class) are looked up without building anything. The error is one line naming the key, the
+    value and what is valid.
+    """
+    cfg = to_config(cfg)
+    for key, value, check in checked_keys(cfg):
+        if value is not None and not check.ok(value):
+            raise ConfigError(f"{key}={value!r} is invalid: it must be {check.describe()}")
+    s, m, r, a = cfg.sampler, cfg.model, cfg.reward, cfg.algorithm
+    _require(s.kind in STEP_KINDS, f"sampler.kind={s.kind!r} is invalid: it must be one of {', '.join(sorted(STEP_KINDS))}")
+    _require(s.ode_solver in ODE_SOLVERS, f"sampler.ode_solver={s.ode_solver!r} is invalid: it must be one of {', '.join(ODE_SOLVERS)}")
+    _require(s.window in WINDOW_KINDS, f"sampler.window={s.window!r} is invalid: it must be one of {', '.join(WINDOW_KINDS)}")
+    wr = list(s.window_range)
+    _require(
+        not wr or (len(wr) == 2 and all(isinstance(v, int) for v in wr) and 0 <= wr[0] < wr[1] <= s.num_steps),
+        f"sampler.window_range={wr} is invalid: it must be [] or [start, end) with 0 ≤ start < end ≤ sampler.num_steps={s.num_steps}",
+    )
+    span = (wr[1] - wr[0]) if wr else s.num_steps
+    _require(s.window not in ("fast", "mixgrpo") or s.window_size <= span,
+             f"sampler.window_size={s.window_size} is invalid: the {s.window} window must fit in its range of {span} steps (sampler.window_range / num_steps)")
+    betas = list(a.betas)
+    _require(len(betas) == 2 and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas),
+             f"algorithm.betas={betas} is invalid: it must be two numbers in [0, 1)")
+    try:
+        check_config(a)
+        check_adapter_options(m.family, m.adapter_kwargs())
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    try:
+        device = torch.device(m.device)
+    except RuntimeError as exc:
+        raise ConfigError(f"model.device={m.device!r} is invalid: {exc}") from None
+    _require(device.type != "cuda" or torch.cuda.is_available(), f"model.device={m.device!r} is invalid: torch sees no CUDA device here (use model.device=cpu)")
+    _require(bool(r.names), "reward.names is empty: give at least one reward")
+    weights = list(r.weights)
+    _require(not weights or len(weights) == len(r.names), f"reward.weights has {len(weights)} entries for {len(r.names)} reward.names; give one weight per reward")
+    _require(all(isinstance(w, (int, float)) and math.isfinite(w) for w in weights), f"reward.weights={weights} is invalid: each must be a finite number")
+    for name in [*r.names, *([r.gold] if r.gold else [])]:
+        try:
+            resolve_reward(name)
+        except RewardError as exc:
+            raise ConfigError(f"reward {name!r} (reward.names / reward.gold) is invalid: {exc}") from None
+    return cfg

@@ -33,7 +33,7 @@ from diffrl.data import read_prompt_file, step_prompts
 from diffrl.distributed import WorkerGroup, build_worker_group
 from diffrl.distributed.workers import ActorRolloutRefWorker, WorkerConfig
 from diffrl.logging import Progress, RunLogger
-from diffrl.recipes import Config, to_config
+from diffrl.recipes import Config, to_config, validate
 from diffrl.sampling.evaluation import eval_prompts_and_seeds, per_sample_scores, run_paired_change
 from diffrl.sampling.schedules import TrainingWindow
 from diffrl.sampling.seeding import Stream, derive
@@ -118,14 +118,12 @@ class Trainer:
     """Runs one recipe (a composed config from ``diffrl.recipes.compose``, or the ``Config`` dataclasses)."""
 
     def __init__(self, cfg: Config | DictConfig):
-        self.cfg = cfg = to_config(cfg)
+        self.cfg = cfg = validate(cfg)  # every value checked before anything is built
         t = cfg.trainer
         if t.threads:
             torch.set_num_threads(int(t.threads))
         check_sizes(cfg)
         self.output_dir = Path(t.output_dir or f"outputs/{cfg.experiment}-{datetime.now():%Y%m%d-%H%M%S}")
-        if t.resume not in ("never", "auto"):
-            raise ValueError(f"trainer.resume must be 'never' or 'auto', got {t.resume!r}")
         self.resume_path = None
         if (self.output_dir / "metrics.jsonl").exists():
             found = checkpoint.list_checkpoints(self.output_dir / "checkpoints")
@@ -141,6 +139,13 @@ class Trainer:
         self.algorithm.validate(int(t.num_workers))
         torch.manual_seed(t.seed)
         self.window = build_window(cfg)
+        self.prompts = read_prompt_file(t.prompts) if t.prompts else None
+        options = cfg.reward.options  # rewards before the model: a reward that cannot be built (a server down) costs nothing
+        self.rewards = {name: (build_reward(name, **options.get(name, {})), w) for name, w in run.reward_weights.items()}
+        self.eval_metrics = {name: fn for name, (fn, _) in self.rewards.items()}
+        self.gold_name = cfg.reward.gold
+        if self.gold_name:
+            self.eval_metrics[self.gold_name] = build_reward(self.gold_name, **options.get(self.gold_name, {}))
         self.workers: WorkerGroup = build_worker_group(
             ActorRolloutRefWorker, worker_config(cfg, self.algorithm), backend=t.backend, num_workers=t.num_workers,
             **({"num_cpus_per_worker": t.num_cpus_per_worker, "num_gpus_per_worker": t.num_gpus_per_worker, "threads": t.threads, "address": t.ray_address,
@@ -149,15 +154,10 @@ class Trainer:
         self.workers.init_model()
         self.workers.set_loss_fn(self.algorithm.objective())
         self.flops = self.workers.flops_counter(t.peak_flops)
-        self.prompts = read_prompt_file(t.prompts) if t.prompts else self.workers.default_prompts()
+        if self.prompts is None:
+            self.prompts = self.workers.default_prompts()
         if not self.prompts:
             raise ValueError(f"model family {cfg.model.family!r} has no built-in prompts; set trainer.prompts=<file>")
-        options = cfg.reward.options
-        self.rewards = {name: (build_reward(name, **options.get(name, {})), w) for name, w in run.reward_weights.items()}
-        self.eval_metrics = {name: fn for name, (fn, _) in self.rewards.items()}
-        self.gold_name = cfg.reward.gold
-        if self.gold_name:
-            self.eval_metrics[self.gold_name] = build_reward(self.gold_name, **options.get(self.gold_name, {}))
         self.algorithm.setup(self.workers)
 
     # -- pieces ---------------------------------------------------------------------------------

@@ -14,7 +14,11 @@ Conventions (docs/architecture.md): ``sigma ∈ [0, 1]`` with 1 = pure noise, ``
 from __future__ import annotations
 
 import abc
+import importlib
+import inspect
+import pkgutil
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -175,6 +179,7 @@ class ModelAdapter(abc.ABC):
         return next(self.denoiser.parameters()).device
 
 
+_PACKAGE_DIR = Path(__file__).resolve().parent
 # built-in families whose module is not ``pipelines.<family>``
 _FAMILY_MODULES = {"digits_eps": "pipelines.digits.eps"}
 
@@ -189,25 +194,32 @@ def register_family(name: str):
     return wrap
 
 
-def build_adapter(family: str, **kwargs) -> ModelAdapter:
-    """Build the adapter of ``family`` (``path=None`` builds the family's tiny random configuration)."""
+def family_class(family: str) -> type:
+    """The adapter class registered as ``family`` (built-in families are imported on first use)."""
     if family not in _FAMILIES:
         # families register on import; import the built-in ones lazily so the core stays model-agnostic
-        import importlib
-
         try:
             importlib.import_module(_FAMILY_MODULES.get(family, f"pipelines.{family}"))
         except ModuleNotFoundError:
             pass
     if family not in _FAMILIES:
-        raise ValueError(f"unknown model family {family!r}; known families: {sorted(_FAMILIES)} (set model.family=…)")
-    cls = _FAMILIES[family]
-    import inspect
+        builtin = {m.name for m in pkgutil.iter_modules([str(_PACKAGE_DIR)]) if m.ispkg} | set(_FAMILY_MODULES)
+        raise ValueError(f"unknown model family {family!r}; known families: {sorted(builtin | set(_FAMILIES))} (set model.family=…)")
+    return _FAMILIES[family]
 
+
+def check_adapter_options(family: str, kwargs: Mapping) -> type:
+    """Raise a clear error for keyword arguments the family's adapter does not take; return its class."""
+    cls = family_class(family)
     params = inspect.signature(cls.__init__).parameters
     if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
         unknown = sorted(set(kwargs) - set(params))
         if unknown:
             valid = sorted(k for k in params if k != "self")
             raise ValueError(f"model family {family!r} takes no option(s) {unknown}; its options are {valid} (model.options.<name>=…)")
-    return cls(**kwargs)
+    return cls
+
+
+def build_adapter(family: str, **kwargs) -> ModelAdapter:
+    """Build the adapter of ``family`` (``path=None`` builds the family's tiny random configuration)."""
+    return check_adapter_options(family, kwargs)(**kwargs)

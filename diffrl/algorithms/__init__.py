@@ -20,6 +20,7 @@ from diffrl.algorithms.base import (
     StepResult,
     algorithm_class,
     build_algorithm,
+    check_config,
     config_schema,
     register_algorithm,
 )
@@ -29,5 +30,5 @@ from diffrl.algorithms.policy_gradient import PolicyGradient
 
 __all__ = [
     "ALGORITHMS", "AWM", "Algorithm", "NFT", "PolicyGradient", "Preference", "RolloutPlan", "RunContext", "StepResult",
-    "algorithm_class", "build_algorithm", "config_schema", "register_algorithm",
+    "algorithm_class", "build_algorithm", "check_config", "config_schema", "register_algorithm",
 ]

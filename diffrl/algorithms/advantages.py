@@ -16,7 +16,7 @@ from collections import deque
 
 import torch
 
-STD_MODES = ("group", "global", "none")
+from diffrl.config import AGGREGATION_MODES, STD_MODES
 
 
 def group_advantages(
@@ -183,8 +183,6 @@ class PerPromptStatTracker:
                 raise ValueError(f"PerPromptStatTracker state has {key}={state[key]!r} but this tracker has {getattr(self, key)!r}")
         self.buffers = {str(p): deque((float(v) for v in vals), maxlen=self.buffer_size) for p, vals in state["buffers"].items()}
 
-
-AGGREGATION_MODES = ("sum_rewards", "sum_advantages")
 
 
 def aggregate_rewards(

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from tensordict import TensorDict
@@ -28,12 +29,14 @@ from diffrl.algorithms.awm_loss import AWM_WEIGHTINGS, awm_loss
 from diffrl.algorithms.base import Algorithm, RolloutPlan, StepResult, register_algorithm, sample_only_plan
 from diffrl.algorithms.objectives import renoised_clean_samples
 from diffrl.algorithms.policy_gradient import RewardAdvantages
-from diffrl.config import AlgorithmConfig
+from diffrl.config import AlgorithmConfig, Check, at_least, one_of, positive
 from diffrl.sampling.schedules import WindowMasks
 
 
 @dataclass
 class AWMConfig(AlgorithmConfig):
+    CHECKS: ClassVar[dict[str, Check]] = {"awm_weighting": one_of(*AWM_WEIGHTINGS), "awm_ghuber_power": positive(), "awm_num_timesteps": at_least(1)}
+
     awm_weighting: str = "ghuber"
     """per-sample weighting of the flow-matching error: uniform | sigma | sigma2 | huber | ghuber (the paper's released configs)"""
     awm_ghuber_power: float = 0.25

@@ -224,8 +224,14 @@ def algorithm_class(name: str) -> type[Algorithm]:
     return ALGORITHMS[name]
 
 
+def check_config(config) -> None:
+    """Raise a clear error when the ``algorithm`` config names no registered algorithm class."""
+    algorithm_class(config.trainer)
+
+
 def config_schema() -> type:
-    """The ``algorithm`` schema: one dataclass with the fields of every registered algorithm's ``Config``.
+    """The ``algorithm`` schema: one dataclass with the fields of every registered algorithm's ``Config``
+    and the union of their value checks (``CHECKS``).
 
     A field that two algorithms declare must have the same type and default in both."""
     merged: dict[str, tuple[dataclasses.Field, Any]] = {}
@@ -240,7 +246,11 @@ def config_schema() -> type:
         (name, hint, dataclasses.field(default=f.default) if f.default is not dataclasses.MISSING else dataclasses.field(default_factory=f.default_factory))
         for name, (f, hint) in merged.items()
     ]
-    return dataclasses.make_dataclass("AlgorithmSchema", fields)
+    checks = {}
+    for cls in (AlgorithmConfig, *(c.Config for c in ALGORITHMS.values())):
+        for klass in reversed(cls.__mro__):
+            checks.update(getattr(klass, "CHECKS", None) or {})
+    return dataclasses.make_dataclass("AlgorithmSchema", fields, namespace={"CHECKS": checks})
 
 
 def _default(f: dataclasses.Field):

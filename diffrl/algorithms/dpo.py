@@ -9,7 +9,7 @@ with shared noise and level and takes ``losses.dpo_loss`` of the trained model's
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import ClassVar, Optional
 
 import torch
 from tensordict import TensorDict
@@ -17,7 +17,7 @@ from tensordict import TensorDict
 from diffrl.algorithms.base import Algorithm, RolloutPlan, StepResult, register_algorithm, sample_only_plan
 from diffrl.algorithms.losses import dpo_loss
 from diffrl.algorithms.objectives import forward_noise, objective_noise
-from diffrl.config import AlgorithmConfig
+from diffrl.config import AlgorithmConfig, Check, at_least, positive
 from diffrl.data import read_preference_pairs
 from diffrl.sampling.schedules import WindowMasks
 from diffrl.sampling.seeding import Stream, derive, generator, generators
@@ -25,6 +25,8 @@ from diffrl.sampling.seeding import Stream, derive, generator, generators
 
 @dataclass
 class PreferenceConfig(AlgorithmConfig):
+    CHECKS: ClassVar[dict[str, Check]] = {"dpo_beta": positive(), "dpo_num_timesteps": at_least(1)}
+
     dpo_beta: float = 50.0
     """Diffusion-DPO β (the reference code's beta_dpo)"""
     dpo_num_timesteps: int = 4

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import ClassVar, Optional
 
 import torch
 from tensordict import TensorDict
@@ -17,12 +17,25 @@ from tensordict import TensorDict
 from diffrl.algorithms.base import Algorithm, RolloutPlan, StepResult, register_algorithm, sample_only_plan
 from diffrl.algorithms.losses import nft_loss, nft_reward_to_r
 from diffrl.algorithms.objectives import renoised_clean_samples
-from diffrl.config import AlgorithmConfig
+from diffrl.config import AlgorithmConfig, Check, at_least, between, one_of, positive
 from diffrl.sampling.schedules import WindowMasks
+
+OLD_SCHEDULES = {
+    "copy": (0.0, 0.0, 0),
+    "linear_to_0_5": (0.001, 0.5, 0),
+    "delayed_linear": (0.0075, 0.999, 75),
+    "constant": (0.0, 0.5, 0),
+}
+"""The old policy's decay schedules: name → default (rate, max, delay)."""
 
 
 @dataclass
 class NFTConfig(AlgorithmConfig):
+    CHECKS: ClassVar[dict[str, Check]] = {
+        "nft_beta": positive(), "nft_num_timesteps": at_least(1), "old_schedule": one_of(*OLD_SCHEDULES),
+        "old_decay_rate": at_least(0, integer=False), "old_decay_max": between(0, 1), "old_decay_delay": at_least(0),
+    }
+
     nft_beta: float = 1.0
     """DiffusionNFT β"""
     nft_adaptive_weight: bool = True
@@ -79,15 +92,9 @@ def old_decay(schedule: str, step: int, *, rate: float | None = None, max_decay:
     delay 75, rate 0.0075, max 0.999 by default (the reference code's three decay types).
     ``constant``: ``max`` at every step.
     """
-    defaults = {
-        "copy": (0.0, 0.0, 0),
-        "linear_to_0_5": (0.001, 0.5, 0),
-        "delayed_linear": (0.0075, 0.999, 75),
-        "constant": (0.0, 0.5, 0),
-    }
-    if schedule not in defaults:
-        raise ValueError(f"unknown algorithm.old_schedule {schedule!r}; choose one of {sorted(defaults)}")
-    d_rate, d_max, d_delay = defaults[schedule]
+    if schedule not in OLD_SCHEDULES:
+        raise ValueError(f"unknown algorithm.old_schedule {schedule!r}; choose one of {sorted(OLD_SCHEDULES)}")
+    d_rate, d_max, d_delay = OLD_SCHEDULES[schedule]
     rate = d_rate if rate is None else rate
     max_decay = d_max if max_decay is None else max_decay
     delay = d_delay if delay is None else delay

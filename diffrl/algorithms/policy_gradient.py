@@ -10,19 +10,24 @@ Flow-GRPO-Fast and MixGRPO are windows, DanceGRPO is ``sampler.kind=dance_sde`` 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from tensordict import TensorDict
 
 from diffrl.algorithms.advantages import PerPromptStatTracker, aggregate_rewards, group_std_keep_mask
 from diffrl.algorithms.base import Algorithm, RolloutPlan, StepResult, register_algorithm
-from diffrl.algorithms.losses import make_step_loss
-from diffrl.config import AlgorithmConfig
+from diffrl.algorithms.losses import STEP_LOSSES, make_step_loss
+from diffrl.config import AlgorithmConfig, Check, at_least, one_of, positive
 from diffrl.sampling.schedules import WindowMasks
 
 
 @dataclass
 class PolicyGradientConfig(AlgorithmConfig):
+    CHECKS: ClassVar[dict[str, Check]] = {
+        "loss": one_of(*STEP_LOSSES), "clip_range": positive(), "adv_tracker_buffer": at_least(1), "adv_tracker_min_count": at_least(1),
+    }
+
     loss: str = "flow_grpo"
     """policy-gradient loss in the diffrl.algorithms.losses registry: flow_grpo | grpo_guard | ddpo"""
     clip_range: float = 0.2
