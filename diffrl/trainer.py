@@ -34,7 +34,11 @@ from diffrl.distributed import WorkerGroup, build_worker_group
 from diffrl.distributed.workers import ActorRolloutRefWorker, WorkerConfig
 from diffrl.logging import Progress, RunLogger
 from diffrl.recipes import Config, to_config, validate
-from diffrl.sampling.evaluation import eval_prompts_and_seeds, per_sample_scores, run_paired_change
+from diffrl.sampling.evaluation import (
+    eval_prompts_and_seeds,
+    per_sample_scores,
+    run_paired_change,
+)
 from diffrl.sampling.schedules import TrainingWindow
 from diffrl.sampling.seeding import Stream, derive
 from rewards.base import build_reward, score
