@@ -198,7 +198,7 @@ class OptimConfig:
 
     CHECKS: ClassVar[dict[str, Check]] = {
         "lr": positive(), "lr_schedule": one_of(*LR_SCHEDULES), "warmup_steps": at_least(0), "weight_decay": at_least(0, integer=False),
-        "eps": positive(), "max_grad_norm": Check(note="≤ 0: no clipping"),
+        "eps": positive(), "max_grad_norm": Check(note="≤ 0: no clipping"), "nonfinite": one_of("skip", "stop"),
     }
 
     lr: float = 1e-3
@@ -215,6 +215,9 @@ class OptimConfig:
     """AdamW epsilon"""
     max_grad_norm: float = 1.0
     """gradient clipping (≤ 0: off)"""
+    nonfinite: str = "skip"
+    """a non-finite loss or gradient: skip (drop the gradients, count the step in skipped_nonfinite, weights and
+    optimizer state unchanged) | stop (the run stops; the newest checkpoint is from before it)"""
 
 
 @dataclass
@@ -274,7 +277,7 @@ class TrainerConfig:
         "checkpoint_every": at_least(0, note="0: only at the end"), "max_grid_images": at_least(1), "threads": at_least(1),
         "peak_flops": positive(), "backend": one_of("local", "ray"), "num_workers": at_least(1),
         "num_gpus_per_worker": at_least(0, integer=False), "num_cpus_per_worker": at_least(0, integer=False),
-        "ray_rendezvous_timeout_s": positive(), "ray_call_timeout_s": positive(), "resume": one_of("never", "auto"),
+        "ray_rendezvous_timeout_s": positive(), "ray_call_timeout_s": positive(), "resume": one_of("never", "auto"), "max_restarts": at_least(0),
         "wandb": one_of("offline", "online", "disabled"),
     }
     steps: int = 100
@@ -319,6 +322,8 @@ class TrainerConfig:
     """Ray: seconds for the ranks' placement and process-group rendezvous before a clear error"""
     ray_call_timeout_s: Optional[float] = None
     """Ray: seconds a worker call may take before an error naming the ranks that did not answer (null: no limit)"""
+    max_restarts: int = 0
+    """a lost worker (Ray): restart the workers from the newest checkpoint up to this many times; 0: stop with a clear error"""
     resume: str = "never"
     """never | auto: continue from the newest complete checkpoint in output_dir (partial ones are ignored)"""
     wandb: str = "offline"

@@ -17,8 +17,10 @@ A run folder holds ``config.yaml``, ``metrics.jsonl`` (one line per step and per
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import shutil
 import time
 from datetime import datetime
 from pathlib import Path
@@ -30,7 +32,7 @@ from tensordict import NonTensorStack, TensorDict
 from diffrl import checkpoint
 from diffrl.algorithms import Algorithm, RunContext, build_algorithm
 from diffrl.data import read_prompt_file, step_prompts
-from diffrl.distributed import WorkerGroup, build_worker_group
+from diffrl.distributed import WorkerGroup, WorkerLostError, build_worker_group
 from diffrl.distributed.workers import ActorRolloutRefWorker, WorkerConfig
 from diffrl.logging import Progress, RunLogger
 from diffrl.recipes import Config, to_config, validate
@@ -41,11 +43,15 @@ from diffrl.sampling.evaluation import (
 )
 from diffrl.sampling.schedules import TrainingWindow
 from diffrl.sampling.seeding import Stream, derive
-from rewards.base import build_reward, score
+from rewards.base import RewardError, build_reward, score
 
 
 class RunFolderError(FileExistsError):
     """The output folder already holds a run."""
+
+
+class RunStopped(RuntimeError):
+    """The run stopped on a fault; the message names the cause and the checkpoint ``trainer.resume=auto`` continues from."""
 
 
 def build_window(cfg: Config) -> TrainingWindow:
@@ -118,6 +124,17 @@ def worker_config(cfg: Config | DictConfig, algorithm: Algorithm | None = None) 
     )
 
 
+def fingerprint(cfg: Config) -> dict:
+    """The config values a checkpoint must share with a run that resumes from it: the model and its
+    trained weights' shapes, the algorithm class, and what fixes the prompts and noise of every step."""
+    m, t = cfg.model, cfg.trainer
+    return {
+        "model.family": m.family, "model.path": m.path, "model.lora.rank": int(m.lora.rank), "model.lora.alpha": float(m.lora.alpha),
+        "model.lora.target_modules": list(m.lora.target_modules) if m.lora.target_modules else None, "algorithm.trainer": cfg.algorithm.trainer,
+        "trainer.seed": int(t.seed), "trainer.prompts_per_step": int(t.prompts_per_step), "trainer.group_size": int(t.group_size),
+    }
+
+
 class Trainer:
     """Runs one recipe (a composed config from ``diffrl.recipes.compose``, or the ``Config`` dataclasses)."""
 
@@ -128,16 +145,10 @@ class Trainer:
             torch.set_num_threads(int(t.threads))
         check_sizes(cfg)
         self.output_dir = Path(t.output_dir or f"outputs/{cfg.experiment}-{datetime.now():%Y%m%d-%H%M%S}")
-        self.resume_path = None
-        if (self.output_dir / "metrics.jsonl").exists():
-            found = checkpoint.list_checkpoints(self.output_dir / "checkpoints")
-            if t.resume != "auto" or not found:
-                why = "trainer.resume=auto continues it from its newest checkpoint" if found else "it has no complete checkpoint to resume from"
-                raise RunFolderError(
-                    f"output folder {self.output_dir} already holds a run (metrics.jsonl); it is left untouched — "
-                    f"choose another trainer.output_dir ({why})"
-                )
-            self.resume_path = found[-1]
+        self.resume_path, self.damaged, self.notices = None, [], []
+        metrics = self.output_dir / "metrics.jsonl"
+        if metrics.exists() and metrics.stat().st_size:  # (an empty one: the run stopped before its first evaluation finished)
+            self.resume_path, self.damaged = self._pick_checkpoint()
         run = run_context(cfg)
         self.algorithm = build_algorithm(cfg.algorithm, run)
         self.algorithm.validate(int(t.num_workers))
@@ -150,19 +161,52 @@ class Trainer:
         self.gold_name = cfg.reward.gold
         if self.gold_name:
             self.eval_metrics[self.gold_name] = build_reward(self.gold_name, **options.get(self.gold_name, {}))
+        self._build_workers()
+        if self.prompts is None:
+            self.prompts = self.workers.default_prompts()
+        if not self.prompts:
+            raise ValueError(f"model family {cfg.model.family!r} has no built-in prompts; set trainer.prompts=<file>")
+
+    def _build_workers(self) -> None:
+        t = self.cfg.trainer
         self.workers: WorkerGroup = build_worker_group(
-            ActorRolloutRefWorker, worker_config(cfg, self.algorithm), backend=t.backend, num_workers=t.num_workers,
+            ActorRolloutRefWorker, worker_config(self.cfg, self.algorithm), backend=t.backend, num_workers=t.num_workers,
             **({"num_cpus_per_worker": t.num_cpus_per_worker, "num_gpus_per_worker": t.num_gpus_per_worker, "threads": t.threads, "address": t.ray_address,
                 "rendezvous_timeout_s": t.ray_rendezvous_timeout_s, "call_timeout_s": t.ray_call_timeout_s} if t.backend == "ray" else {}),
         )
         self.workers.init_model()
         self.workers.set_loss_fn(self.algorithm.objective())
         self.flops = self.workers.flops_counter(t.peak_flops)
-        if self.prompts is None:
-            self.prompts = self.workers.default_prompts()
-        if not self.prompts:
-            raise ValueError(f"model family {cfg.model.family!r} has no built-in prompts; set trainer.prompts=<file>")
         self.algorithm.setup(self.workers)
+
+    def _pick_checkpoint(self, resume: bool | None = None) -> tuple[Path, list[tuple[Path, str]]]:
+        """The newest whole checkpoint of the run folder and the damaged ones newer than it (with why).
+
+        A checkpoint written under another model, LoRA or sampling config stops the run with the keys that
+        differ: its weights would not fit, or the run would not continue the same way."""
+        t = self.cfg.trainer
+        found = checkpoint.list_checkpoints(self.output_dir / "checkpoints")
+        if not (t.resume == "auto" if resume is None else resume) or not found:
+            why = "trainer.resume=auto continues it from its newest checkpoint" if found else "it has no complete checkpoint to resume from"
+            raise RunFolderError(
+                f"output folder {self.output_dir} already holds a run (metrics.jsonl); it is left untouched — choose another trainer.output_dir ({why})"
+            )
+        damaged = []
+        for path in reversed(found):
+            problem = checkpoint.verify(path)
+            if problem:
+                damaged.append((path, problem))
+                continue
+            saved = json.loads((path / "state.json").read_text()).get("fingerprint")
+            ours = fingerprint(self.cfg)
+            if saved is not None and saved != ours:
+                diff = ", ".join(f"{k}: {saved.get(k)!r} in the checkpoint, {ours.get(k)!r} now" for k in sorted(set(saved) | set(ours)) if saved.get(k) != ours.get(k))
+                raise RunFolderError(
+                    f"checkpoint {path} was written by another configuration ({diff}); resume with the run's own config.yaml or choose another trainer.output_dir"
+                )
+            return path, damaged
+        listed = "; ".join(f"{p.name}: {why}" for p, why in damaged)
+        raise RunFolderError(f"output folder {self.output_dir} has no whole checkpoint to resume from ({listed}); it is left untouched — choose another trainer.output_dir")
 
     # -- pieces ---------------------------------------------------------------------------------
     def step_prompts(self, step: int) -> list[str]:
@@ -214,8 +258,59 @@ class Trainer:
 
     # -- the loop -------------------------------------------------------------------------------
     def fit(self) -> dict:
+        """Run the recipe to ``trainer.steps``; returns the summary (also in ``summary.json``).
+
+        Faults (see ``docs/reliability.md``): a reward that fails after its own retries writes a checkpoint of
+        the steps done and stops; a non-finite update is skipped and counted or stops
+        (``algorithm.nonfinite``); a full disk stops with the newest checkpoint intact; a lost worker restarts
+        the workers from the newest checkpoint up to ``trainer.max_restarts`` times, then stops. A stop raises
+        :class:`RunStopped` naming the cause and the checkpoint ``trainer.resume=auto`` continues from.
+        """
+        t = self.cfg.trainer
+        wall_start, restarts = time.perf_counter(), 0
+        while True:
+            try:
+                return self._fit(wall_start)
+            except WorkerLostError as exc:
+                found = checkpoint.list_checkpoints(self.output_dir / "checkpoints")
+                if restarts >= t.max_restarts or not found:
+                    why = f"the newest checkpoint is {found[-1].name}" if found else "no checkpoint was written yet"
+                    raise RunStopped(f"{exc}; the run stopped ({why}) — continue with trainer.resume=auto, or set trainer.max_restarts to restart lost workers") from None
+                restarts += 1
+                self.notices = [f"{exc}; restarting the workers from {found[-1].name} (restart {restarts} of {t.max_restarts})"]
+                self.workers.shutdown()
+                self._build_workers()
+                self.resume_path, self.damaged = self._pick_checkpoint(resume=True)
+            except OSError as exc:
+                if exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                    raise
+                raise RunStopped(
+                    f"no space left writing {exc.filename or 'to the run folder'} ({exc.strerror}); {self._newest_checkpoint_line()} — free space and continue with trainer.resume=auto"
+                ) from None
+
+    def _newest_checkpoint_line(self) -> str:
+        found = checkpoint.list_checkpoints(self.output_dir / "checkpoints")
+        return f"the newest checkpoint {found[-1].name} is intact" if found else "no checkpoint was written yet"
+
+    def _stop_with_checkpoint(self, step: int, cause: str) -> RunStopped:
+        """A checkpoint of the ``step`` steps done (unless one exists), and the error that stops the run."""
+        root = self.output_dir / "checkpoints"
+        path = root / f"step_{step:06d}"
+        if not path.exists():
+            path = self.workers.save_checkpoint(root, global_step=step, extra_state=self.trainer_state())
+        return RunStopped(f"{cause}; the run stopped — checkpoint {Path(path).name} holds the {step} steps done: continue with trainer.resume=auto")
+
+    def _evaluate_or_stop(self, done: int, wall_start: float, progress: Progress) -> dict:
+        try:
+            metrics = self.evaluate(done)
+        except RewardError as exc:
+            raise self._stop_with_checkpoint(done, f"evaluation at step {done}: {exc}") from None
+        self.logger.log({"step": done, "kind": "eval", **metrics, "wall_seconds": time.perf_counter() - wall_start})
+        progress.write(f"eval at step {done}: {self._eval_line(metrics)}")
+        return metrics
+
+    def _fit(self, wall_start: float) -> dict:
         cfg, t = self.cfg, self.cfg.trainer
-        wall_start = time.perf_counter()
         (self.output_dir / "images").mkdir(parents=True, exist_ok=True)
         (self.output_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
         start_step, before, last_eval = self._resume() if self.resume_path else (0, None, None)
@@ -224,7 +319,11 @@ class Trainer:
             config=OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True), max_table_rows=t.max_grid_images,
         )
         progress = Progress(t.steps, initial=start_step, enabled=t.progress, desc=cfg.experiment)
+        finished = False
         try:
+            for notice in self.notices:
+                progress.write(notice)
+            self.notices = []
             if before is None:
                 before = self.evaluate(0)
                 log.log({"step": 0, "kind": "eval", **before, "wall_seconds": time.perf_counter() - wall_start})
@@ -232,21 +331,34 @@ class Trainer:
                 last_eval = before
             else:
                 progress.write(f"resumed from {self.resume_path} at step {start_step}")
+                if last_eval is None:
+                    last_eval = self._evaluate_or_stop(start_step, wall_start, progress)
             for step in range(start_step, t.steps):
-                record = self.train_step(step)
+                try:
+                    record = self.train_step(step)
+                except RewardError as exc:
+                    raise self._stop_with_checkpoint(step, f"step {step + 1}: {exc}") from None
+                except FloatingPointError as exc:
+                    raise RunStopped(f"step {step + 1}: {exc}; the run stopped — {self._newest_checkpoint_line()}: continue with trainer.resume=auto "
+                                     "(a lower algorithm.lr, or algorithm.nonfinite=skip)") from None
                 record["wall_seconds"] = time.perf_counter() - wall_start
                 log.log(record)
+                if record.get("skipped_nonfinite"):
+                    progress.write(f"step {step + 1}: non-finite loss or gradients: {record['skipped_nonfinite']:g} optimizer step(s) skipped (algorithm.nonfinite=skip)")
                 progress.update(reward=record.get("reward_mean", float("nan")), loss=record.get("loss", float("nan")))
                 done = step + 1
                 if (t.eval_every and done % t.eval_every == 0) or done == t.steps:
-                    last_eval = self.evaluate(done)
-                    log.log({"step": done, "kind": "eval", **last_eval, "wall_seconds": time.perf_counter() - wall_start})
-                    progress.write(f"eval at step {done}: {self._eval_line(last_eval)}")
+                    last_eval = self._evaluate_or_stop(done, wall_start, progress)
                 if (t.checkpoint_every and done % t.checkpoint_every == 0) or done == t.steps:
                     self.workers.save_checkpoint(self.output_dir / "checkpoints", global_step=done, extra_state=self.trainer_state())
+            finished = True
         finally:
             progress.close()
-            log.close()
+            try:
+                log.close()
+            except OSError:
+                if finished:  # otherwise the fault that stopped the run is the one to report
+                    raise
         summary = self._summary(before, last_eval, time.perf_counter() - wall_start)
         checkpoint.write_json_atomic(self.output_dir / "summary.json", summary)
         return summary
@@ -261,6 +373,12 @@ class Trainer:
         Restores the trained weights, the optimizer, the old policy, the window and the advantage stat
         tracker; prompts and noise are functions of ``(seed, step)``, so the run continues exactly.
         """
+        root = self.output_dir / "checkpoints"
+        for path, why in self.damaged:
+            kept = checkpoint.set_aside(path)
+            self.notices.append(f"skipped damaged checkpoint {path.name} ({why}); kept as {kept.name}")
+        for tmp in root.glob("step_*.tmp-*"):  # a write cut by a kill: partial, never used
+            shutil.rmtree(tmp, ignore_errors=True)
         state = self.workers.load_checkpoint(self.resume_path)
         step = int(state["global_step"])
         self.window.load_state_dict(state["window"])
@@ -282,6 +400,9 @@ class Trainer:
         if not evals or evals[0]["step"] != 0:
             raise RunFolderError(f"{path} lacks the evaluation before training; the run cannot be resumed — start a new trainer.output_dir")
         strip = lambda r: {k: v for k, v in r.items() if k.startswith("eval/")}
+        t = self.cfg.trainer
+        if step and ((t.eval_every and step % t.eval_every == 0) or step == t.steps) and evals[-1]["step"] != step:
+            return step, strip(evals[0]), None  # the evaluation at the checkpoint's step did not finish: run it again
         return step, strip(evals[0]), strip(evals[-1])
 
     def train_step(self, step: int) -> dict:
@@ -303,7 +424,7 @@ class Trainer:
         record.update(result.record)
         for key, values in result.metrics.items():
             if isinstance(values, list) and values and isinstance(values[0], (int, float)):
-                record[key] = sum(values) / len(values)
+                record[key] = sum(values) if key == "skipped_nonfinite" else sum(values) / len(values)
         if "ratio_mean" in result.metrics:
             record["first_ratio_mean"] = result.metrics["ratio_mean"][0]
         record.update(times)
@@ -386,7 +507,7 @@ class Trainer:
 
     def trainer_state(self) -> dict:
         """JSON state saved next to the weights: what a resume needs beyond the engine."""
-        return {"experiment": self.cfg.experiment, "window": self.window.state_dict(), **self.algorithm.state_dict()}
+        return {"experiment": self.cfg.experiment, "fingerprint": fingerprint(self.cfg), "window": self.window.state_dict(), **self.algorithm.state_dict()}
 
     @staticmethod
     def _eval_line(metrics: dict) -> str:
@@ -405,6 +526,8 @@ class Trainer:
             "output_dir": str(self.output_dir),
             "checkpoint": str(checkpoint.list_checkpoints(self.output_dir / "checkpoints")[-1]),
         }
+        records = [json.loads(line) for line in (self.output_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        summary["skipped_nonfinite"] = sum(r.get("skipped_nonfinite", 0) for r in records if r.get("kind") == "train")
         if self.gold_name:
             summary["gold_accuracy_before"] = before[f"eval/{self.gold_name}"]
             summary["gold_accuracy_after"] = after[f"eval/{self.gold_name}"]

@@ -95,10 +95,10 @@ def _accumulated_grads(objective, batch, micro_batch_size):
     randomise_lora(engine.module, seed=4)  # old ≠ current
     captured = {}
 
-    def capture():
+    def capture(loss):
         captured.update({n: p.grad.clone() for n, p in engine.module.named_parameters() if p.requires_grad})
         engine.optimizer.zero_grad(set_to_none=True)
-        return 0.0
+        return 0.0, False
 
     engine._optimizer_step = capture
     out = engine.train_batch(batch, objective, seed=11)

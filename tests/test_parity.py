@@ -87,10 +87,10 @@ def test_micro_batches_accumulate_to_the_same_update(tiny_adapter):
         td["advantages"] = group_advantages(torch.linspace(0, 1, td.shape[0]), td["group_id"])
         captured = {}
 
-        def capture(engine=engine, captured=captured):
+        def capture(loss, engine=engine, captured=captured):
             captured.update({n: p.grad.clone() for n, p in engine.module.named_parameters() if p.requires_grad})
             engine.optimizer.zero_grad(set_to_none=True)
-            return 0.0
+            return 0.0, False
 
         engine._optimizer_step = capture
         out = engine.train_batch(td, make_step_loss("flow_grpo", clip_range=0.2, kl_beta=0.1))

@@ -2,10 +2,10 @@
 ``ActorRolloutRefWorker`` API), the typed worker group and its executors (``controller``: local; ``ray``:
 one Ray actor per rank with torch.distributed and FSDP2)."""
 
-from diffrl.distributed.controller import Dispatch, LocalExecutor, WorkerGroup, register
+from diffrl.distributed.controller import Dispatch, LocalExecutor, WorkerGroup, WorkerLostError, register
 from diffrl.distributed.ray import RayExecutor
 
-__all__ = ["Dispatch", "LocalExecutor", "RayExecutor", "WorkerGroup", "build_worker_group", "register"]
+__all__ = ["Dispatch", "LocalExecutor", "RayExecutor", "WorkerGroup", "WorkerLostError", "build_worker_group", "register"]
 
 
 def build_worker_group(worker_cls: type, config, *, backend: str = "local", num_workers: int = 1, role: str = "actor_rollout_ref", **ray_options) -> WorkerGroup:

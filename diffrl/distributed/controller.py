@@ -88,6 +88,10 @@ def gather_dp(outputs: list[TensorDict]) -> TensorDict:
     return out
 
 
+class WorkerLostError(RuntimeError):
+    """A worker (rank) died or its process was lost; the message names the rank and its node."""
+
+
 class Executor(abc.ABC):
     """Runs a method on every rank's worker."""
 

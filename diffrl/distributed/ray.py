@@ -17,7 +17,7 @@ import socket
 
 import torch
 
-from diffrl.distributed.controller import Executor
+from diffrl.distributed.controller import Executor, WorkerLostError
 from diffrl.engine import parallel
 
 
@@ -155,7 +155,7 @@ class RayExecutor(Executor):
             try:
                 out.append(ray.get(ref))
             except ray.exceptions.RayActorError as exc:
-                raise RuntimeError(f"{what}: the worker of rank {i} on {self.rank_nodes[i]} died ({exc})") from None
+                raise WorkerLostError(f"{what}: the worker of rank {i} on {self.rank_nodes[i]} died ({type(exc).__name__})") from None
         return out
 
     def call_all(self, method: str, args_per_rank: list[tuple], kwargs: dict) -> list:

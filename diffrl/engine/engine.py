@@ -275,8 +275,8 @@ class DiffusionEngine:
                 loss_total += loss.item() * share * weight
                 for name, value in metrics.items():
                     sums[name] += value * share * weight
-        grad_norm = self._optimizer_step()
-        return {"loss": loss_total, "metrics": {**sums, "grad_norm": grad_norm, "lr": self.optimizer.param_groups[0]["lr"]}}
+        grad_norm, skipped = self._optimizer_step(loss_total)
+        return {"loss": loss_total, "metrics": {**sums, "grad_norm": grad_norm, "skipped_nonfinite": float(skipped), "lr": self.optimizer.param_groups[0]["lr"]}}
 
     def _pieces(self, loss_fn, micro: TensorDict, seed: int):
         if hasattr(loss_fn, "micro_losses"):
@@ -293,7 +293,11 @@ class DiffusionEngine:
             loss, metrics = loss_fn(step_out, micro, k)
             yield loss, 1.0 / len(steps), metrics
 
-    def _optimizer_step(self) -> float:
+    def _optimizer_step(self, loss: float) -> tuple[float, bool]:
+        """Clip and step; ``(grad norm, skipped)``. A non-finite loss or gradient norm (the same on every rank:
+        the norm is global) never reaches the optimizer: the gradients are dropped, and the step is skipped
+        (``optim.nonfinite=skip``, weights, optimizer and schedule unchanged) or raises ``FloatingPointError``
+        (``stop``)."""
         params = self.trainable_parameters()
         max_norm = self.optim.max_grad_norm
         if max_norm > 0:
@@ -301,13 +305,15 @@ class DiffusionEngine:
         else:
             grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
         grad_norm = parallel.full_tensor(grad_norm)
-        if not torch.isfinite(grad_norm):
+        if not (torch.isfinite(grad_norm) and math.isfinite(loss)):
             self.optimizer.zero_grad(set_to_none=True)
-            raise FloatingPointError(f"non-finite gradient norm {grad_norm.item()}; the update was skipped and the weights are unchanged")
+            if self.optim.nonfinite == "stop":
+                raise FloatingPointError(f"non-finite loss {loss} or gradient norm {grad_norm.item()} (algorithm.nonfinite=stop); the update was not applied")
+            return float(grad_norm), True
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return float(grad_norm)
+        return float(grad_norm), False
 
     @torch.no_grad()
     def infer_batch(self, batch: TensorDict, *, reference: bool = False) -> TensorDict:

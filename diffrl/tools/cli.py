@@ -6,7 +6,9 @@
 
 Overrides use hydra syntax: ``diffrl train experiment=digits_flow_grpo trainer.steps=20
 trainer.output_dir=runs/a``. Errors in the config, missing files and failing rewards print one line
-naming the cause (set ``DIFFRL_TRACEBACK=1`` for the full traceback) and exit with status 2.
+naming the cause (set ``DIFFRL_TRACEBACK=1`` for the full traceback) and exit with status 2; a run that
+stops on a fault (a reward down, a full disk, a lost worker) prints the cause and the checkpoint that
+``trainer.resume=auto`` continues from, and exits with status 3.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ import sys
 from diffrl.logging import WandbInitError
 from diffrl.recipes import ConfigError, compose
 from diffrl.tools import commands, reward_server
-from diffrl.trainer import RunFolderError, Trainer
+from diffrl.checkpoint import CheckpointError
+from diffrl.trainer import RunFolderError, RunStopped, Trainer
 from rewards.base import RewardError
 
 
@@ -47,7 +50,12 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return handlers[args.command](args)
-    except (ConfigError, FileNotFoundError, RunFolderError, RewardError, WandbInitError, ValueError) as exc:
+    except RunStopped as exc:
+        if os.environ.get("DIFFRL_TRACEBACK"):
+            raise
+        print(f"diffrl: stopped: {exc}", file=sys.stderr, flush=True)
+        return 3
+    except (CheckpointError, ConfigError, FileNotFoundError, RunFolderError, RewardError, WandbInitError, ValueError) as exc:
         if os.environ.get("DIFFRL_TRACEBACK"):
             raise
         print(f"diffrl: error: {exc}", file=sys.stderr, flush=True)
