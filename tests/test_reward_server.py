@@ -18,6 +18,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import torch
@@ -171,7 +172,7 @@ class _Flaky503(BaseHTTPRequestHandler):
     fail_first = 2
     count = 0
 
-    def do_POST(self):  # noqa: N802
+    def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         type(self).count += 1
         status, answer = (503, {"error": "warming up"}) if type(self).count <= self.fail_first else \
@@ -249,7 +250,7 @@ def test_hanging_server_hits_the_timeout():
         while not stop.is_set():
             try:
                 held.append(listener.accept()[0])
-            except socket.timeout:
+            except TimeoutError:
                 continue
 
     thread = threading.Thread(target=accept, daemon=True)
@@ -280,16 +281,31 @@ def test_serve_reward_arguments():
         parse_reward_args([])
 
 
-def test_serve_reward_cli_errors(capsys, monkeypatch):
+def test_serve_reward_cli_errors(capsys, monkeypatch, tmp_path):
+    """One-line errors: no token, a token in argv (visible in ``ps``), --no-token off loopback, an unknown reward, a busy port."""
     monkeypatch.delenv("DIFFRL_REWARD_TOKEN", raising=False)
     assert main(["serve-reward", "reward=jpeg_compressibility", "--port", "0"]) == 2
-    assert "give a bearer token (--token, --token-file or $DIFFRL_REWARD_TOKEN)" in capsys.readouterr().err
-    assert main(["serve-reward", "reward=no_such_reward", "--port", "0", "--token", "t"]) == 2
+    assert "give a bearer token (--token-file F or $DIFFRL_REWARD_TOKEN)" in capsys.readouterr().err
+    assert main(["serve-reward", "reward=jpeg_compressibility", "--port", "0", "--token", "t"]) == 2
+    assert "--token is refused (the process list shows it to every user); use --token-file F or $DIFFRL_REWARD_TOKEN" in capsys.readouterr().err
+    assert main(["serve-reward", "reward=jpeg_compressibility", "--host", "0.0.0.0", "--port", "0", "--no-token"]) == 2
+    assert "--no-token is allowed on a loopback --host only, not '0.0.0.0'" in capsys.readouterr().err
+    (tmp_path / "empty").write_text("\n")
+    assert main(["serve-reward", "reward=jpeg_compressibility", "--port", "0", "--token-file", str(tmp_path / "empty")]) == 2
+    assert "is empty; write the token into it" in capsys.readouterr().err
+    assert main(["serve-reward", "reward=jpeg_compressibility", "--port", "0", "--token-file", str(tmp_path / "missing")]) == 2
+    assert "cannot read --token-file" in capsys.readouterr().err
+    monkeypatch.setenv("DIFFRL_REWARD_TOKEN", "t")
+    assert main(["serve-reward", "reward=no_such_reward", "--port", "0"]) == 2
     assert "unknown reward 'no_such_reward'" in capsys.readouterr().err
     with socket.create_server(("127.0.0.1", 0)) as busy:
         port = busy.getsockname()[1]
-        assert main(["serve-reward", "reward=jpeg_compressibility", "--port", str(port), "--token", "t"]) == 2
+        assert main(["serve-reward", "reward=jpeg_compressibility", "--port", str(port)]) == 2
     assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="without a token is allowed on a loopback host only, not '0.0.0.0'"):
+        RewardServer(build_reward("jpeg_compressibility"), host="0.0.0.0", port=0, token=None)
+    with pytest.raises(ValueError, match="body_timeout_s must be > 0"):
+        RewardServer(build_reward("jpeg_compressibility"), port=0, token="t", body_timeout_s=0)
 
 
 # ---------------------------------------------------------------------------------------------- VLM judge
@@ -297,10 +313,10 @@ def test_serve_reward_cli_errors(capsys, monkeypatch):
 class _FakeOpenAI(BaseHTTPRequestHandler):
     """``POST /v1/chat/completions``: replies by the prompt in the text (see REPLIES); records every request."""
 
-    requests: list = []
+    requests: ClassVar[list] = []
     throttle_first = 0
 
-    def do_POST(self):  # noqa: N802
+    def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         type(self).requests.append({"path": self.path, "auth": self.headers.get("Authorization"), "body": body})
         if type(self).throttle_first > 0:

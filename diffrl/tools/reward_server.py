@@ -1,44 +1,112 @@
 """``diffrl serve-reward``: serve any registered reward over HTTP (the ``remote`` reward is its client).
 
     diffrl serve-reward reward=<name> [reward.options.<key>=<value> ...] [--host 127.0.0.1] [--port 8765]
-                        [--token T | --token-file F | $DIFFRL_REWARD_TOKEN | --no-token]
+                        [--token-file F | $DIFFRL_REWARD_TOKEN | --no-token (loopback only)] [limits, see --help]
 
 The wire protocol (JSON with base64 PNG images, bearer token, status codes) is documented in
-:mod:`rewards.remote`. The server is the standard library's ``ThreadingHTTPServer``: each connection is
-parsed, authenticated and decoded on its own thread, then handed to one scoring thread that merges
-requests arriving within ``batch_wait_s`` of each other (same image size and metadata, up to
-``max_batch`` images) into one reward call through :func:`rewards.base.call_reward` — so the reward's
-``batch_size``/``input`` are honoured, its output is checked, and the model is never entered by two
-threads at once. If a merged call fails, each request is re-run alone so that an error reaches only
-the request that caused it. Every failure answers a JSON ``{"error": …}`` and the server keeps serving.
+:mod:`rewards.remote`. HTTP is served by uvicorn (h11) with a starlette app on one event loop. A request
+is authenticated, checked against :class:`ServerLimits` (body bytes, images, pixels read from each PNG
+header before any pixel is decoded), read under a deadline, then parsed and decoded on a worker thread
+and handed to one scoring thread that merges requests arriving within ``batch_wait_s`` of each other
+(same image size and metadata, up to ``max_batch`` images) into one reward call through
+:func:`rewards.base.call_reward` — so the reward's ``batch_size``/``input`` are honoured, its output is
+checked, and the model is never entered by two threads at once. If a merged call fails, each request is
+re-run alone so that an error reaches only the request that caused it. Every failure answers a JSON
+``{"error": …}`` and the server keeps serving; slow or idle clients are cut by the timeouts below.
 """
 
 from __future__ import annotations
 
+import asyncio
+import base64
+import hashlib
 import hmac
+import io
+import ipaddress
 import json
 import os
 import queue
+import socket
+import struct
 import sys
 import threading
 import time
 from collections import defaultdict
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any
 
-from rewards.base import TOKEN_ENV, build_reward, call_reward, decode_png, reward_spec
+import numpy as np
+import torch
+import uvicorn
+import yaml
+from PIL import Image
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
+from starlette.routing import Route
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from rewards.base import TOKEN_ENV, build_reward, call_reward, reward_spec
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 DEFAULT_PORT = 8765
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
+
+def _doc(text: str, default: Any) -> Any:
+    return field(default=default, metadata={"doc": text})
+
+
+@dataclass(kw_only=True)
+class ServerLimits:
+    """What clients may cost the server; every limit answers a JSON error and the server keeps serving.
+
+    Memory held by requests is bounded by about ``max_inflight · (3 · max_request_bytes + 3 · max_request_pixels)``
+    bytes (body, its JSON strings and decoded PNG bytes; uint8 RGB pixels); slow or idle connections by the timeouts.
+    """
+
+    max_request_bytes: int = _doc("largest request body (413 beyond; a larger Content-Length is refused unread)", 64 << 20)
+    max_images: int = _doc("most images in one request (413 beyond)", 1024)
+    max_image_pixels: int = _doc("most pixels of one image, read from its PNG header before decoding (413 beyond)", 4096 * 4096)
+    max_request_pixels: int = _doc("most pixels of all images of one request, checked before any is decoded (413 beyond)", 1 << 26)
+    max_batch: int = _doc("most images merged from concurrent requests into one reward call", 256)
+    batch_wait_s: float = _doc("how long the scoring thread waits for more requests to merge", 0.005)
+    max_inflight: int = _doc("requests read, decoded and scored at once; more wait up to queue_timeout_s, then 503", 16)
+    queue_timeout_s: float = _doc("how long a request waits for one of the max_inflight slots before 503", 30.0)
+    max_connections: int = _doc("open connections (and requests in progress) before uvicorn answers 503", 256)
+    body_timeout_s: float = _doc("seconds to receive a whole request body (408 and the connection closed beyond)", 60.0)
+    header_timeout_s: float = _doc("seconds from connecting, or from the last answer, to a request's complete headers (closed beyond)", 10.0)
+    keep_alive_s: float = _doc("an idle keep-alive connection is closed after this many seconds", 5.0)
+    shutdown_timeout_s: float = _doc("on shutdown, requests in progress get this long to finish before they are cancelled", 30.0)
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            if not getattr(self, f.name) > 0:
+                raise ValueError(f"RewardServer: {f.name} must be > 0, got {getattr(self, f.name)!r}")
+
+
+class _Reject(Exception):
+    """An answer other than 200: ``status``, the reason sent as ``{"error": reason}``, and whether to close."""
+
+    def __init__(self, status: int, reason: str, *, close: bool = False, headers: dict | None = None):
+        super().__init__(reason)
+        self.status, self.reason, self.close, self.headers = status, reason, close, headers or {}
+
+
+# -- the scoring thread ------------------------------------------------------------------------------------
 
 class _Job:
-    """One request's images waiting for the scoring thread."""
+    """One request's images waiting for the scoring thread; ``future`` gets its scores or its error."""
 
-    def __init__(self, images, prompts: list[str], metadata: Any):
+    def __init__(self, images: torch.Tensor, prompts: list[str], metadata: Any):
         self.images, self.prompts, self.metadata = images, prompts, metadata
-        self.done = threading.Event()
-        self.result: dict | None = None
-        self.error: BaseException | None = None
+        self.future: Future = Future()
 
 
 class _Batcher:
@@ -51,13 +119,10 @@ class _Batcher:
         self.thread = threading.Thread(target=self._loop, name=f"reward-{name}", daemon=True)
         self.thread.start()
 
-    def submit(self, images, prompts: list[str], metadata: Any) -> dict:
+    def submit(self, images: torch.Tensor, prompts: list[str], metadata: Any) -> Future:
         job = _Job(images, prompts, metadata)
         self.queue.put(job)
-        job.done.wait()
-        if job.error is not None:
-            raise job.error
-        return job.result
+        return job.future
 
     def stop(self) -> None:
         self.queue.put(None)
@@ -85,41 +150,133 @@ class _Batcher:
                 count += len(nxt.prompts)
             groups: dict[tuple, list[_Job]] = defaultdict(list)
             for j in jobs:
-                groups[(tuple(j.images.shape[2:]), json.dumps(j.metadata, sort_keys=True))].append(j)
+                groups[(tuple(j.images.shape[1:]), json.dumps(j.metadata, sort_keys=True))].append(j)
             for group in groups.values():
                 self._run(group)
             if stop:
                 return
 
-    def _call(self, images, prompts, metadata) -> dict:
-
+    def _call(self, images: torch.Tensor, prompts: list[str], metadata: Any) -> dict:
         with self.lock:
             self.stats["reward_calls"] += 1
         return call_reward(self.name, self.fn, images, prompts, metadata)
 
     def _run(self, group: list[_Job]) -> None:
-        import torch
-
         if len(group) > 1:
             try:
                 result = self._call(torch.cat([j.images for j in group]), [p for j in group for p in j.prompts], group[0].metadata)
-            except Exception:  # attribute the error: re-run each request alone below
+            except Exception:  # noqa: BLE001, S110 (attribute the error: each request is re-run alone below)
                 pass
             else:
                 start = 0
                 for j in group:
                     stop = start + len(j.prompts)
-                    j.result = {key: value[start:stop] for key, value in result.items()}
+                    j.future.set_result({key: value[start:stop] for key, value in result.items()})
                     start = stop
-                    j.done.set()
                 return
         for j in group:
             try:
-                j.result = self._call(j.images, j.prompts, j.metadata)
-            except BaseException as exc:  # handed to the request's thread, which answers 500
-                j.error = exc
-            j.done.set()
+                j.future.set_result(self._call(j.images, j.prompts, j.metadata))
+            except BaseException as exc:  # noqa: BLE001 (handed to the request, which answers 500)
+                j.future.set_exception(exc if isinstance(exc, Exception) else RuntimeError(f"{type(exc).__name__}: {exc}"))
 
+
+# -- the body: JSON fields and PNG images within the limits ---------------------------------------------
+
+def png_size(data: bytes, index: int) -> tuple[int, int]:
+    """``(width, height)`` from a PNG's IHDR chunk, read without decoding a pixel."""
+    if not data.startswith(PNG_SIGNATURE):
+        raise _Reject(400, f"image {index} is not a PNG (send PNG, lossless; JPEG would change the pixels)")
+    if len(data) < 33 or data[12:16] != b"IHDR":
+        raise _Reject(400, f"image {index} is a corrupt PNG (its first chunk is not a complete IHDR header)")
+    width, height = struct.unpack(">II", data[16:24])
+    if not width or not height:
+        raise _Reject(400, f"image {index} is a corrupt PNG (its header says {width}x{height} pixels)")
+    return width, height
+
+
+def decode_images(texts: list, limits: ServerLimits) -> torch.Tensor:
+    """base64 PNGs → uint8 ``[B, 3, H, W]``; every size limit is checked on the PNG headers before decoding."""
+    blobs = []
+    for i, text in enumerate(texts):
+        if not isinstance(text, str):
+            raise _Reject(400, f"image {i} must be a base64 PNG string, got {type(text).__name__}")
+        try:
+            blobs.append(base64.b64decode(text, validate=True))
+        except ValueError as exc:
+            raise _Reject(400, f"image {i} is not valid base64 ({exc})") from None
+    sizes = [png_size(blob, i) for i, blob in enumerate(blobs)]
+    if len(set(sizes)) > 1:
+        raise _Reject(400, f"images have different sizes {sorted(set(sizes))} (width, height); send one size per request")
+    width, height = sizes[0]
+    per_image = min(limits.max_image_pixels, Image.MAX_IMAGE_PIXELS or limits.max_image_pixels)  # PIL's bomb limit too
+    if width * height > per_image:
+        raise _Reject(413, f"images of {width}x{height} pixels exceed this server's limit of {per_image} pixels per image (--max-image-pixels)")
+    if width * height * len(blobs) > limits.max_request_pixels:
+        raise _Reject(413, f"{len(blobs)} images of {width}x{height} exceed this server's limit of {limits.max_request_pixels} pixels per "
+                           "request; send fewer images per request (client option batch_size) or raise --max-request-pixels")
+    out = np.empty((len(blobs), height, width, 3), dtype=np.uint8)
+    for i, blob in enumerate(blobs):
+        try:
+            with Image.open(io.BytesIO(blob), formats=["PNG"]) as im:
+                if im.size != (width, height):
+                    raise _Reject(400, f"image {i} is a corrupt PNG (decoder size {im.size} differs from its header)")
+                out[i] = np.asarray(im.convert("RGB"))
+        except Image.DecompressionBombError as exc:
+            raise _Reject(413, f"image {i} is over PIL's decompression-bomb limit ({exc})") from None
+        except _Reject:
+            raise
+        except Exception as exc:  # noqa: BLE001 (any decoder failure on client bytes is a malformed request)
+            raise _Reject(400, f"image {i} is a corrupt PNG ({type(exc).__name__}: {exc})") from None
+    return torch.from_numpy(out).permute(0, 3, 1, 2).contiguous()
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _digest(text: str) -> bytes:
+    return hashlib.sha256(text.encode("utf-8", "surrogateescape")).digest()
+
+
+class _GuardedH11(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol with a deadline on request headers: a connection that has not sent a
+    request's complete headers ``header_timeout_s`` after connecting (or after its last answer) is closed,
+    so clients that trickle headers, or an endless body after an early answer, cannot hold a connection."""
+
+    header_timeout_s = 10.0
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        self._header_deadline: asyncio.TimerHandle | None = None
+        super().connection_made(transport)
+        self._arm_header_deadline()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._arm_header_deadline()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._header_deadline is not None:
+            self._header_deadline.cancel()
+        super().connection_lost(exc)
+
+    def _arm_header_deadline(self) -> None:
+        if self._header_deadline is not None:
+            self._header_deadline.cancel()
+        self._header_deadline = self.loop.call_later(self.header_timeout_s, self._header_deadline_passed)
+
+    def _header_deadline_passed(self) -> None:
+        idle = self.cycle is None or self.cycle.response_complete
+        if idle and not self.transport.is_closing():
+            self.transport.close()
+
+
+# -- the server ---------------------------------------------------------------------------------------------
 
 class RewardServer:
     """An HTTP server for one reward callable.
@@ -127,173 +284,184 @@ class RewardServer:
     Args:
         reward: the reward (any callable of the reward protocol; its declared attributes are honoured).
         name: its name (default: ``reward.name``).
-        host, port: where to listen (``port=0``: a free port; see :attr:`url`).
-        token: the bearer token clients must send; ``None``: no authentication (trusted networks only).
-        max_request_bytes: larger bodies answer 413 before they are read.
-        max_images: most images in one request (400 beyond).
-        max_batch: most images merged into one reward call (a larger single request runs alone).
-        batch_wait_s: how long the scoring thread waits for more requests to merge.
+        host, port: where to listen (``port=0``: a free port; see :attr:`url`). The socket is bound here.
+        token: the bearer token clients must send; ``None``: no authentication (loopback hosts only).
         log_requests: log every request to stderr (errors are always logged).
+        **limits: fields of :class:`ServerLimits` (``max_request_bytes``, ``max_batch``, ``body_timeout_s``, …).
     """
 
     def __init__(self, reward: Callable, *, name: str | None = None, host: str = "127.0.0.1", port: int = DEFAULT_PORT,
-                 token: str | None, max_request_bytes: int = 64 << 20, max_images: int = 1024, max_batch: int = 256,
-                 batch_wait_s: float = 0.005, log_requests: bool = False):
-
+                 token: str | None, log_requests: bool = False, **limits: Any):
         if token is not None and not token:
             raise ValueError("RewardServer: token is empty; give a non-empty token, or None to serve without authentication")
+        if token is None and not _is_loopback(host):
+            raise ValueError(f"RewardServer: serving without a token is allowed on a loopback host only, not {host!r}; give a token")
+        self.limits = ServerLimits(**limits)
         self.name = name or getattr(reward, "name", None) or "reward"
         self.spec = reward_spec(reward, self.name)
-        self.token = token
-        self.max_request_bytes, self.max_images, self.log_requests = int(max_request_bytes), int(max_images), log_requests
+        self.token, self.log_requests = token, log_requests
+        self._token_digest = _digest(token) if token is not None else None
         self.stats: dict[str, Any] = {"requests": 0, "images": 0, "reward_calls": 0, "errors": defaultdict(int)}
         self._lock = threading.Lock()
-        handler = type("RewardRequestHandler", (_Handler,), {"app": self})
-        self.httpd = ThreadingHTTPServer((host, port), handler)
-        self.httpd.daemon_threads = True
-        self._batcher = _Batcher(self.name, reward, max_batch, batch_wait_s, self.stats, self._lock)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._socket = socket.create_server((host.strip("[]"), port), family=family, backlog=1024)  # OSError: the caller says why
+        self._slots = asyncio.Semaphore(self.limits.max_inflight)
+        app = Starlette(routes=[Route("/health", self._health, methods=["GET"]), Route("/score", self._score, methods=["POST"])],
+                        exception_handlers={HTTPException: self._http_error, Exception: self._crash})
+        app.router.redirect_slashes = False
+        protocol = type("RewardServerHTTP", (_GuardedH11,), {"header_timeout_s": self.limits.header_timeout_s})
+        config = uvicorn.Config(app, http=protocol, lifespan="off", log_config=None, log_level="warning", access_log=False,
+                                proxy_headers=False, server_header=False, headers=[("server", "diffrl-reward/1")],
+                                limit_concurrency=self.limits.max_connections, timeout_keep_alive=self.limits.keep_alive_s,
+                                timeout_graceful_shutdown=self.limits.shutdown_timeout_s)
+        self._uvicorn = uvicorn.Server(config)
+        self._batcher = _Batcher(self.name, reward, self.limits.max_batch, self.limits.batch_wait_s, self.stats, self._lock)
         self._thread: threading.Thread | None = None
 
     @property
     def url(self) -> str:
-        host, port = self.httpd.server_address[:2]
+        host, port = self._socket.getsockname()[:2]
         return f"http://{f'[{host}]' if ':' in host else host}:{port}"
 
     def health(self) -> dict:
         return {"status": "ok", "protocol": 1, "reward": self.name, **{k: self.spec[k] for k in ("unit", "scale", "batch_size", "input")}}
 
-    def start(self) -> "RewardServer":
-        """Serve on a background thread (tests, notebooks); returns ``self``."""
-        self._thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, name="reward-server", daemon=True)
+    def start(self) -> Self:
+        """Serve on a background thread (tests, notebooks); returns ``self`` once uvicorn accepts requests."""
+        self._thread = threading.Thread(target=self._uvicorn.run, kwargs={"sockets": [self._socket]}, name="reward-server", daemon=True)
         self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self._uvicorn.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("RewardServer: uvicorn did not start (see the log above); check the host and port")
+            time.sleep(0.005)
         return self
 
     def serve_forever(self) -> None:
-        self.httpd.serve_forever()
+        """Serve on this thread until SIGINT/SIGTERM, then shut down gracefully (uvicorn's signal handling)."""
+        self._uvicorn.run(sockets=[self._socket])
 
     def shutdown(self) -> None:
-        """Stop accepting, close the socket and stop the scoring thread."""
+        """Stop accepting, let requests in progress finish (``shutdown_timeout_s``), stop the scoring thread."""
         if self._thread is not None:
-            self.httpd.shutdown()
-            self._thread.join(timeout=10)
-        self.httpd.server_close()
+            self._uvicorn.should_exit = True
+            self._thread.join(timeout=self.limits.shutdown_timeout_s + 5)
+        self._socket.close()
         self._batcher.stop()
 
-    def __enter__(self) -> "RewardServer":
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
 
-    def score_body(self, body: Any) -> tuple[int, dict]:
-        """Validate a decoded JSON body and score it: ``(status, answer)``."""
+    # -- the app (runs on uvicorn's event loop) --
 
-        if not isinstance(body, dict):
-            return 400, {"error": f"the body must be a JSON object, got {type(body).__name__}"}
-        unknown = set(body) - {"images", "prompts", "metadata", "reward"}
-        if unknown:
-            return 400, {"error": f"unknown fields {sorted(unknown)}; expected images, prompts, metadata, reward"}
-        images, prompts = body.get("images"), body.get("prompts")
-        if not isinstance(images, list) or not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
-            return 400, {"error": "the body needs 'images' (list of base64 PNG) and 'prompts' (list of str)"}
-        if len(images) != len(prompts) or not images:
-            return 400, {"error": f"got {len(images)} images and {len(prompts)} prompts; need the same number, at least 1"}
-        if len(images) > self.max_images:
-            return 400, {"error": f"{len(images)} images in one request; this server takes at most {self.max_images}"}
-        wanted = body.get("reward")
-        if wanted is not None and wanted != self.name:
-            return 409, {"error": f"this server serves reward {self.name!r}, not {wanted!r}"}
-        try:
-            decoded = [decode_png(text) for text in images]
-        except ValueError as exc:
-            return 400, {"error": str(exc)}
-        if len({tuple(im.shape) for im in decoded}) > 1:
-            return 400, {"error": f"images have different sizes {sorted({tuple(im.shape) for im in decoded})}; send one size per request"}
-        import torch
+    def _answer(self, request: Request, status: int, answer: dict, *, close: bool = False, headers: dict | None = None) -> Response:
+        with self._lock:
+            self.stats["requests"] += 1
+            if status >= 400:
+                self.stats["errors"][status] += 1
+        if self.log_requests or status >= 400:
+            client = request.client.host if request.client else "-"
+            detail = f" {answer['error']}" if status >= 400 else ""
+            print(f"{client} - [{time.strftime('%H:%M:%S')}] \"{request.method} {request.url.path}\" {status}{detail}", file=sys.stderr, flush=True)
+        headers = {**(headers or {}), **({"Connection": "close"} if close else {})}
+        return Response(json.dumps(answer).encode("utf-8"), status, headers=headers, media_type="application/json")
 
+    async def _health(self, request: Request) -> Response:
+        return self._answer(request, 200, self.health())
+
+    async def _http_error(self, request: Request, exc: HTTPException) -> Response:
+        where = "unknown path" if exc.status_code == 404 else f"method {request.method} not allowed on"
+        return self._answer(request, exc.status_code, {"error": f"{where} {request.url.path!r}; use GET /health or POST /score"},
+                            headers=exc.headers)
+
+    async def _crash(self, request: Request, exc: Exception) -> Response:
+        return self._answer(request, 500, {"error": f"the reward server failed: {type(exc).__name__}: {exc}"})
+
+    async def _score(self, request: Request) -> Response:
         try:
-            result = self._batcher.submit(torch.stack(decoded), prompts, body.get("metadata"))
-        except Exception as exc:
-            return 500, {"error": f"reward {self.name!r} failed: {type(exc).__name__}: {exc}"}
+            return self._answer(request, 200, await self._score_checked(request))
+        except _Reject as exc:
+            return self._answer(request, exc.status, {"error": exc.reason}, close=exc.close, headers=exc.headers)
+
+    async def _score_checked(self, request: Request) -> dict:
+        limits, headers = self.limits, request.headers
+        if self._token_digest is not None:
+            scheme, _, sent = headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(_digest(sent.strip()), self._token_digest):
+                raise _Reject(401, "missing or wrong bearer token (header 'Authorization: Bearer <token>')")
+        length = headers.get("content-length")
+        if length is not None and int(length) > limits.max_request_bytes:  # h11 has checked it is a number
+            raise _Reject(413, f"request body of {length} bytes exceeds this server's limit of {limits.max_request_bytes} bytes; "
+                               "send fewer images per request (client option batch_size) or raise --max-request-mb")
+        if headers.get("content-type", "").partition(";")[0].strip().lower() != "application/json":
+            raise _Reject(415, f"content type {headers.get('content-type')!r}; send the body as 'Content-Type: application/json'")
+        try:
+            await asyncio.wait_for(self._slots.acquire(), limits.queue_timeout_s)
+        except asyncio.TimeoutError:
+            raise _Reject(503, f"the server is busy ({limits.max_inflight} requests in progress for {limits.queue_timeout_s} s); retry later",
+                          headers={"Retry-After": "1"}) from None
+        try:
+            try:
+                raw = await asyncio.wait_for(self._read_body(request), limits.body_timeout_s)
+            except asyncio.TimeoutError:
+                raise _Reject(408, f"the request body did not arrive within {limits.body_timeout_s} s; send it at once", close=True) from None
+            except ClientDisconnect:
+                raise _Reject(400, "the client disconnected before sending the whole body") from None
+            images, prompts, metadata = await run_in_threadpool(self.parse_body, raw)
+            try:
+                result = await asyncio.wrap_future(self._batcher.submit(images, prompts, metadata))
+            except Exception as exc:  # noqa: BLE001 (any error of the reward is reported to its request)
+                raise _Reject(500, f"reward {self.name!r} failed: {type(exc).__name__}: {exc}") from None
+        finally:
+            self._slots.release()
         main = self.name if self.name in result else next(iter(result))
         scores = {main: result[main].tolist(), **{k: v.tolist() for k, v in result.items() if k != main}}
         with self._lock:
             self.stats["images"] += len(prompts)
-        return 200, {"reward": self.name, "scores": scores}
+        return {"reward": self.name, "scores": scores}
 
+    async def _read_body(self, request: Request) -> bytes:
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.limits.max_request_bytes:
+                raise _Reject(413, f"request body exceeds this server's limit of {self.limits.max_request_bytes} bytes; "
+                                   "send fewer images per request (client option batch_size) or raise --max-request-mb")
+            chunks.append(chunk)
+        return b"".join(chunks)
 
-class _Handler(BaseHTTPRequestHandler):
-    app: RewardServer
-    server_version = "diffrl-reward/1"
-    timeout = 120  # seconds a client may stall mid-request before its connection is dropped
-
-    def _send(self, status: int, answer: dict) -> None:
-        data = json.dumps(answer).encode("utf-8")
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-        with self.app._lock:
-            self.app.stats["requests"] += 1
-            if status >= 400:
-                self.app.stats["errors"][status] += 1
-
-    def _drain(self, length: int) -> None:
-        """Read (and drop) up to ``length`` unread body bytes so that the client sees our answer, not a reset."""
-        self.connection.settimeout(1.0)
-        try:
-            while length > 0:
-                chunk = self.rfile.read(min(length, 1 << 16))
-                if not chunk:
-                    break
-                length -= len(chunk)
-        except OSError:
-            pass
-
-    def do_GET(self) -> None:  # noqa: N802 (http.server naming)
-        if self.path.rstrip("/") == "/health":
-            self._send(200, self.app.health())
-        else:
-            self._send(404, {"error": f"unknown path {self.path!r}; use GET /health or POST /score"})
-
-    def do_POST(self) -> None:  # noqa: N802
-        self.close_connection = True
-        try:
-            length = int(self.headers.get("Content-Length", ""))
-            if length < 0:
-                raise ValueError
-        except ValueError:
-            self._send(400, {"error": "a Content-Length header is required"})
-            return
-        if self.path.rstrip("/") != "/score":
-            self._drain(min(length, self.app.max_request_bytes))
-            self._send(404, {"error": f"unknown path {self.path!r}; use POST /score"})
-            return
-        if self.app.token is not None:
-            sent = self.headers.get("Authorization", "")
-            if not sent.startswith("Bearer ") or not hmac.compare_digest(sent[7:].encode(), self.app.token.encode()):
-                self._drain(min(length, self.app.max_request_bytes))
-                self._send(401, {"error": "missing or wrong bearer token (header 'Authorization: Bearer <token>')"})
-                return
-        if length > self.app.max_request_bytes:
-            self._drain(min(length, 16 << 20))
-            self._send(413, {"error": f"request body of {length} bytes exceeds this server's limit of {self.app.max_request_bytes} bytes; "
-                                      "send fewer images per request (client option batch_size) or raise --max-request-mb"})
-            return
-        raw = self.rfile.read(length)
+    def parse_body(self, raw: bytes) -> tuple[torch.Tensor, list[str], Any]:
+        """Check a request body and decode its images (a worker thread): ``(images, prompts, metadata)``; ``_Reject`` if bad."""
         try:
             body = json.loads(raw)
-        except ValueError as exc:
-            self._send(400, {"error": f"the body is not valid JSON ({exc})"})
-            return
-        status, answer = self.app.score_body(body)
-        self._send(status, answer)
+        except (ValueError, RecursionError) as exc:
+            raise _Reject(400, f"the body is not valid JSON ({exc})") from None
+        if not isinstance(body, dict):
+            raise _Reject(400, f"the body must be a JSON object, got {type(body).__name__}")
+        unknown = set(body) - {"images", "prompts", "metadata", "reward"}
+        if unknown:
+            raise _Reject(400, f"unknown fields {sorted(unknown)}; expected images, prompts, metadata, reward")
+        images, prompts = body.get("images"), body.get("prompts")
+        if not isinstance(images, list) or not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
+            raise _Reject(400, "the body needs 'images' (list of base64 PNG) and 'prompts' (list of str)")
+        if len(images) != len(prompts) or not images:
+            raise _Reject(400, f"got {len(images)} images and {len(prompts)} prompts; need the same number, at least 1")
+        if len(images) > self.limits.max_images:
+            raise _Reject(413, f"{len(images)} images in one request; this server takes at most {self.limits.max_images} (--max-images)")
+        wanted, metadata = body.get("reward"), body.get("metadata")
+        if wanted is not None and not isinstance(wanted, str):
+            raise _Reject(400, f"'reward' must be the expected reward's name or null, got {type(wanted).__name__}")
+        if wanted is not None and wanted != self.name:
+            raise _Reject(409, f"this server serves reward {self.name!r}, not {wanted!r}")
+        if metadata is not None and not isinstance(metadata, (dict, list)):
+            raise _Reject(400, f"'metadata' must be a JSON object, a list (one entry per image) or null, got {type(metadata).__name__}")
+        return decode_images(images, self.limits), prompts, metadata
 
-    def log_request(self, code: Any = "-", size: Any = "-") -> None:
-        if self.app.log_requests or (isinstance(code, int) and code >= 400):
-            super().log_request(code, size)
 
+# -- the command line ---------------------------------------------------------------------------------------
 
 def parse_reward_args(items: list[str]) -> tuple[str, dict]:
     """``["reward=jpeg_compressibility", "reward.options.quality=80"]`` → ``("jpeg_compressibility", {"quality": 80})``.
@@ -301,8 +469,6 @@ def parse_reward_args(items: list[str]) -> tuple[str, dict]:
     Options are ``reward.options.<key>=<value>`` or, as in training configs, ``reward.options.<name>.<key>=<value>``;
     values are parsed as YAML (``80`` → int, ``null`` → None, ``[1, 2]`` → list, other text → str).
     """
-    import yaml
-
     name, raw_options = None, []
     for item in items:
         key, sep, value = item.partition("=")
@@ -330,33 +496,59 @@ def parse_reward_args(items: list[str]) -> tuple[str, dict]:
     return name, options
 
 
-def _serve(args) -> int:
-
-    name, options = parse_reward_args(args.overrides)
-    if args.token_file:
-        with open(args.token_file, encoding="utf-8") as handle:
-            token = handle.read().strip()
-    else:
-        token = args.token or os.environ.get(TOKEN_ENV)
+def _token(args) -> str | None:
+    """The bearer token from --token-file or $DIFFRL_REWARD_TOKEN (never argv: ``ps`` shows it to every user)."""
+    if args.token is not None:
+        raise ValueError(f"serve-reward: --token is refused (the process list shows it to every user); use --token-file F or ${TOKEN_ENV}")
     if args.no_token:
-        token = None
-    elif not token:
-        raise ValueError(f"serve-reward: give a bearer token (--token, --token-file or ${TOKEN_ENV}), or --no-token to serve without one")
+        if not _is_loopback(args.host):
+            raise ValueError(f"serve-reward: --no-token is allowed on a loopback --host only, not {args.host!r}; "
+                             f"give a token with --token-file F or ${TOKEN_ENV}")
+        return None
+    if args.token_file:
+        try:
+            with open(args.token_file, encoding="utf-8") as handle:
+                token = handle.read().strip()
+        except OSError as exc:
+            raise ValueError(f"serve-reward: cannot read --token-file {args.token_file!r} ({exc.strerror or exc}); check the path") from exc
+        if not token:
+            raise ValueError(f"serve-reward: --token-file {args.token_file!r} is empty; write the token into it")
+        return token
+    token = os.environ.get(TOKEN_ENV, "").strip()
+    if not token:
+        raise ValueError(f"serve-reward: give a bearer token (--token-file F or ${TOKEN_ENV}), or --no-token on a loopback --host")
+    return token
+
+
+_FLAGS = {  # flag → (ServerLimits field, the field's value of one flag unit)
+    "--max-request-mb": ("max_request_bytes", 1 << 20), "--max-images": ("max_images", 1), "--max-image-pixels": ("max_image_pixels", 1),
+    "--max-request-pixels": ("max_request_pixels", 1), "--max-batch": ("max_batch", 1), "--batch-wait-ms": ("batch_wait_s", 1e-3),
+    "--max-inflight": ("max_inflight", 1), "--queue-timeout-s": ("queue_timeout_s", 1), "--max-connections": ("max_connections", 1),
+    "--body-timeout-s": ("body_timeout_s", 1), "--header-timeout-s": ("header_timeout_s", 1), "--keep-alive-s": ("keep_alive_s", 1),
+    "--shutdown-timeout-s": ("shutdown_timeout_s", 1),
+}
+
+
+def _serve(args) -> int:
+    token = _token(args)
+    name, options = parse_reward_args(args.overrides)
     reward = build_reward(name, **options)
+    limits = {}
+    for flag, (key, unit) in _FLAGS.items():
+        value = getattr(args, flag[2:].replace("-", "_")) * unit
+        limits[key] = int(value) if isinstance(getattr(ServerLimits, key), int) else float(value)
     try:
-        server = RewardServer(reward, name=name, host=args.host, port=args.port, token=token, max_request_bytes=int(args.max_request_mb * (1 << 20)),
-                              max_images=args.max_images, max_batch=args.max_batch, batch_wait_s=args.batch_wait_ms / 1000.0,
-                              log_requests=args.log_requests)
+        server = RewardServer(reward, name=name, host=args.host, port=args.port, token=token, log_requests=args.log_requests, **limits)
     except OSError as exc:
         raise ValueError(f"serve-reward: cannot listen on {args.host}:{args.port} ({exc.strerror or exc}); choose another --port or --host") from exc
-    auth = "bearer token required" if token else "NO authentication"
+    auth = "bearer token required" if token else "NO authentication (loopback only)"
     print(f"diffrl serve-reward: serving {name!r} (unit {server.spec['unit']}) at {server.url} — POST /score, GET /health; {auth}", flush=True)
     try:
         server.serve_forever()
     except KeyboardInterrupt:
         print("diffrl serve-reward: stopped", file=sys.stderr, flush=True)
     finally:
-        server.httpd.server_close()
+        server.shutdown()
     return 0
 
 
@@ -367,12 +559,14 @@ def add_parsers(sub) -> dict:
     p.add_argument("overrides", nargs="*", help="reward=<name> and reward.options.<key>=<value>")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all interfaces)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT}; 0: a free one, printed)")
-    p.add_argument("--token", default=None, help="bearer token clients must send (default: $DIFFRL_REWARD_TOKEN)")
-    p.add_argument("--token-file", default=None, help="read the token from this file (keeps it out of the process list)")
-    p.add_argument("--no-token", action="store_true", help="serve without authentication (trusted networks only)")
-    p.add_argument("--max-request-mb", type=float, default=64.0, help="largest request body in MiB (413 beyond)")
-    p.add_argument("--max-images", type=int, default=1024, help="most images in one request (400 beyond)")
-    p.add_argument("--max-batch", type=int, default=256, help="most images merged from concurrent requests into one reward call")
-    p.add_argument("--batch-wait-ms", type=float, default=5.0, help="how long to wait for concurrent requests to merge")
+    p.add_argument("--token", default=None, help="refused: argv is visible in the process list; use --token-file or $" + TOKEN_ENV)
+    p.add_argument("--token-file", default=None, help=f"read the bearer token from this file (default: ${TOKEN_ENV})")
+    p.add_argument("--no-token", action="store_true", help="serve without authentication (loopback --host only)")
+    docs = {f.name: f.metadata["doc"] for f in fields(ServerLimits)}
+    for flag, (key, unit) in _FLAGS.items():
+        default = getattr(ServerLimits, key) / unit
+        kind = int if isinstance(getattr(ServerLimits, key), int) and unit == 1 else float
+        shown = f"{default:g}" if kind is float else str(int(default))
+        p.add_argument(flag, type=kind, default=kind(default), help=f"{docs[key]} (default {shown})")
     p.add_argument("--log-requests", action="store_true", help="log every request (errors are always logged)")
     return {"serve-reward": _serve}
