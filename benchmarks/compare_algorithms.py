@@ -7,7 +7,12 @@
 Each run is ``diffrl train experiment=digits_<name>`` in its own process (``trainer.threads`` torch
 threads). The script writes ``results.json`` (every run's evaluations and summary), ``table.md`` (the
 RESULTS.md table) and ``gold_curves.png`` (gold accuracy vs images sampled and vs wall time, plus
-training reward vs gold accuracy for the runs with and without the KL term) into ``--out``.
+training reward vs gold accuracy for the runs with and without the KL term, and — when the evaluations hold
+them — pixel diversity relative to the base model and the Fréchet distance to real digits vs images sampled)
+into ``--out``. What the reward misses (``diffrl.sampling.distribution``) gets its own columns: the second
+judge before → after and whether its change disagrees with gold's beyond the noise, diversity relative to
+the base model, the near-duplicate share and the Fréchet distance before → after; runs whose evaluations
+lack these metrics show "–".
 Wall times are only comparable between runs made side by side on one machine with the same threads.
 """
 
@@ -21,6 +26,11 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from diffrl.sampling.distribution import DISTRIBUTION_KEYS, collapse_summary
+from diffrl.sampling.evaluation import run_paired_change
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -45,7 +55,7 @@ def run_one(name: str, overrides: list[str], out: Path, threads: int, reuse: Pat
     cmd = [sys.executable, "-m", "diffrl.tools.cli", "train", *overrides, f"trainer.output_dir={run_dir}", f"trainer.threads={threads}", "trainer.progress=false", "trainer.wandb=disabled"]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS=str(threads))
     start = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    proc = subprocess.run(cmd, check=False, cwd=ROOT, env=env, capture_output=True, text=True)
     elapsed = time.perf_counter() - start
     (out / f"{name}.log").write_text(proc.stdout + proc.stderr)
     result = {"name": name, "overrides": overrides, "returncode": proc.returncode, "process_seconds": elapsed}
@@ -61,9 +71,11 @@ def collect(result: dict, run_dir: Path) -> dict:
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     cfg_lines = (run_dir / "config.yaml").read_text()
     result["summary"] = summary = json.loads((run_dir / "summary.json").read_text())
+    if "judges" not in summary:  # a run from before summary.json held it: from the eval files
+        reward = OmegaConf.create(cfg_lines).reward
+        judges = [j for j in reward.get("judges", []) if f"eval/{j}" in summary["eval_after"]]
+        summary.update(collapse_summary(summary["eval_before"], summary["eval_after"], run_dir, summary["steps"], reward.gold, judges))
     if "paired_change" not in summary:  # a run from before summary.json held it: compute it from the eval files
-        from diffrl.sampling.evaluation import run_paired_change
-
         paired = run_paired_change(run_dir, summary["steps"], [k[5:] for k in summary["eval_after"] if k != "eval/seconds"])
         if paired is not None:
             summary["paired_change"] = paired
@@ -76,20 +88,19 @@ def collect(result: dict, run_dir: Path) -> dict:
 
 
 def _images_per_step(config_yaml: str) -> int:
-    from omegaconf import OmegaConf
-
     cfg = OmegaConf.create(config_yaml)
     return int(cfg.trainer.prompts_per_step) * int(cfg.trainer.group_size)
 
 
 def write_table(results: list[dict], path: Path) -> str:
     lines = [
-        "| recipe | steps | images sampled | gold before | gold after | Δ gold (points) | reward before → after | paired t of the reward (improved share) | wall (s) |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ("| recipe | steps | images sampled | gold before | gold after | Δ gold (points) | reward before → after | paired t of the reward (improved share) "
+         "| judge 2 before → after | judges disagree (Δgold − Δjudge ± se) | diversity px / feat (vs base) | near-dup pairs after | Fréchet before → after | wall (s) |"),
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in results:
         if r["returncode"] != 0:
-            lines.append(f"| {r['name']} | failed: see {r['name']}.log | | | | | | | |")
+            lines.append(f"| {r['name']} | failed: see {r['name']}.log |" + " |" * 12)
             continue
         s = r["summary"]
         delta = 100 * (s["gold_accuracy_after"] - s["gold_accuracy_before"])
@@ -97,16 +108,31 @@ def write_table(results: list[dict], path: Path) -> str:
         t = f"{paired['t']:+.1f} ({paired['improved_fraction']:.0%})" if paired else "–"
         lines.append(
             f"| {r['name']} | {s['steps']} | {s['steps'] * r['images_per_step']} | {s['gold_accuracy_before']:.3f} | "
-            f"{s['gold_accuracy_after']:.3f} | {delta:+.1f} | {s['reward_before']:.4f} → {s['reward_after']:.4f} | {t} | {s['wall_seconds']:.0f} |"
+            f"{s['gold_accuracy_after']:.3f} | {delta:+.1f} | {s['reward_before']:.4f} → {s['reward_after']:.4f} | {t} | "
+            f"{' | '.join(collapse_cells(s))} | {s['wall_seconds']:.0f} |"
         )
     text = "\n".join(lines) + "\n"
     path.write_text(text)
     return text
 
 
+def collapse_cells(summary: dict) -> list[str]:
+    """Table cells of what the reward misses: judge 2 before → after, the disagreement flag, diversity
+    relative to base, near-duplicates after, Fréchet before → after ("–" where the run lacks them)."""
+    before, after = summary["eval_before"], summary["eval_after"]
+    judges = summary.get("judges") or {}
+    judge = "; ".join(f"{d['judge_before']:.3f} → {d['judge_after']:.3f}" for d in judges.values()) or "–"
+    flag = "; ".join(f"{'**yes**' if d['disagree'] else 'no'} ({d['difference']:+.3f} ± {d['stderr']:.3f})" for d in judges.values()) or "–"
+    ratio = lambda k: f"{after[k] / before[k]:.2f}×" if k in before and k in after and before[k] > 0 else "–"
+    dup = f"{after['eval/near_duplicate_frac']:.1%}" if "eval/near_duplicate_frac" in after else "–"
+    fd = f"{before['eval/frechet']:.1f} → {after['eval/frechet']:.1f}" if "eval/frechet" in before and "eval/frechet" in after else "–"
+    return [judge, flag, f"{ratio('eval/diversity_pixel')} / {ratio('eval/diversity_feature')}", dup, fd]
+
+
 def _main_reward(result: dict) -> str:
-    """The first training reward's name (``eval/<name>`` in the evaluations, not the gold metric)."""
-    keys = [k[5:] for k in result["evals"][0] if k.startswith("eval/") and k not in ("eval/digits_gold", "eval/seconds")]
+    """The first training reward's name (``eval/<name>`` in the evaluations, not a judge or distribution metric)."""
+    skip = {"eval/seconds", *(f"eval/{k}" for k in DISTRIBUTION_KEYS), *(f"eval/{j}" for j in result["summary"].get("judges", {}))}
+    keys = [k[5:] for k in result["evals"][0] if k.startswith("eval/") and k != "eval/digits_gold" and k not in skip]
     return keys[0] if keys else "digits"
 
 
@@ -116,7 +142,8 @@ def plot(results: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 4, figsize=(21, 4.5))
+    fig, axes = plt.subplots(2, 3, figsize=(16, 9))
+    axes = list(axes.flat)
     for r in results:
         if r["returncode"] != 0:
             continue
@@ -128,10 +155,17 @@ def plot(results: list[dict], path: Path) -> None:
             axes[2].plot([e["eval/digits"] for e in r["evals"]], gold, marker="o", label=r["name"])
         if _main_reward(r) == "jpeg_compressibility":
             axes[3].plot([s * r["images_per_step"] for s in steps], [e["eval/jpeg_compressibility"] for e in r["evals"]], marker="o", label=r["name"])
+        if all("eval/diversity_pixel" in e for e in r["evals"]):
+            base = r["evals"][0]["eval/diversity_pixel"]
+            axes[4].plot([s * r["images_per_step"] for s in steps], [e["eval/diversity_pixel"] / base for e in r["evals"]], marker="o", label=r["name"])
+        if all("eval/frechet" in e for e in r["evals"]):
+            axes[5].plot([s * r["images_per_step"] for s in steps], [e["eval/frechet"] for e in r["evals"]], marker="o", label=r["name"])
     axes[0].set(xlabel="images sampled", ylabel="gold accuracy", title="gold accuracy vs images sampled")
     axes[1].set(xlabel="wall time (s)", ylabel="gold accuracy", title="gold accuracy vs wall time")
     axes[2].set(xlabel="training reward (eval)", ylabel="gold accuracy", title="reward vs gold, with and without KL")
     axes[3].set(xlabel="images sampled", ylabel="−JPEG kB (eval, η = 1 on fixed seeds)", title="DDPO: JPEG compressibility")
+    axes[4].set(xlabel="images sampled", ylabel="pixel diversity / base", title="diversity across seeds (1 = base model)")
+    axes[5].set(xlabel="images sampled", ylabel="Fréchet distance (per prompt, mean)", title="distance to real digits (judge 2 features)")
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)

@@ -264,6 +264,13 @@ class RewardConfig:
     """reward name → keyword arguments of its constructor"""
     gold: Optional[str] = "digits_gold"
     """metric reported as gold accuracy at evaluations (a reward name); null: none"""
+    judges: list[str] = field(default_factory=list)
+    """more judges reported at evaluations beside gold (reward names, never trained on); summary.json flags a judge whose
+    change over training differs from gold's beyond the evaluation noise (paired |t| > 2)"""
+    feature_space: Optional[str] = None
+    """a reward that also gives features(images) and reference_features(prompt) (diffrl.sampling.distribution.FeatureSpace):
+    evaluations add feature diversity and the Fréchet distance to its real images (digits: digits_gold2); null: pixel
+    diversity and near-duplicates only"""
     async_chunks: int = 1
     """sample a step's rollouts in this many chunks of whole prompt groups and score each chunk in a background
     thread while the next one is sampled (remote and model rewards overlap with sampling); 1: sample, then score"""

@@ -205,9 +205,9 @@ def validate(cfg: Config | DictConfig) -> Config:
     weights = list(r.weights)
     _require(not weights or len(weights) == len(r.names), f"reward.weights has {len(weights)} entries for {len(r.names)} reward.names; give one weight per reward")
     _require(all(isinstance(w, (int, float)) and math.isfinite(w) for w in weights), f"reward.weights={weights} is invalid: each must be a finite number")
-    for name in [*r.names, *([r.gold] if r.gold else [])]:
+    for name in [*r.names, *([r.gold] if r.gold else []), *r.judges, *([r.feature_space] if r.feature_space else [])]:
         try:
             resolve_reward(name)
         except RewardError as exc:
-            raise ConfigError(f"reward {name!r} (reward.names / reward.gold) is invalid: {exc}") from None
+            raise ConfigError(f"reward {name!r} (reward.names / gold / judges / feature_space) is invalid: {exc}") from None
     return cfg

@@ -36,6 +36,11 @@ from diffrl.distributed import WorkerGroup, WorkerLostError, build_worker_group
 from diffrl.distributed.workers import ActorRolloutRefWorker, WorkerConfig
 from diffrl.logging import Progress, RunLogger
 from diffrl.recipes import Config, to_config, validate
+from diffrl.sampling.distribution import (
+    build_feature_space,
+    collapse_summary,
+    distribution_metrics,
+)
 from diffrl.sampling.evaluation import (
     eval_prompts_and_seeds,
     per_sample_scores,
@@ -124,13 +129,13 @@ def worker_config(cfg: Config | DictConfig, algorithm: Algorithm | None = None) 
     )
 
 
-def fingerprint(cfg: Config) -> dict:
+def fingerprint(cfg: Config, algorithm: Algorithm) -> dict:
     """The config values a checkpoint must share with a run that resumes from it: the model and its
     trained weights' shapes, the algorithm class, and what fixes the prompts and noise of every step."""
     m, t = cfg.model, cfg.trainer
     return {
         "model.family": m.family, "model.path": m.path, "model.lora.rank": int(m.lora.rank), "model.lora.alpha": float(m.lora.alpha),
-        "model.lora.target_modules": list(m.lora.target_modules) if m.lora.target_modules else None, "algorithm.trainer": cfg.algorithm.trainer,
+        "model.lora.target_modules": list(m.lora.target_modules) if m.lora.target_modules else None, "algorithm.trainer": algorithm.name,
         "trainer.seed": int(t.seed), "trainer.prompts_per_step": int(t.prompts_per_step), "trainer.group_size": int(t.group_size),
     }
 
@@ -145,13 +150,15 @@ class Trainer:
             torch.set_num_threads(int(t.threads))
         check_sizes(cfg)
         self.output_dir = Path(t.output_dir or f"outputs/{cfg.experiment}-{datetime.now():%Y%m%d-%H%M%S}")
-        self.resume_path, self.damaged, self.notices = None, [], []
-        metrics = self.output_dir / "metrics.jsonl"
-        if metrics.exists() and metrics.stat().st_size:  # (an empty one: the run stopped before its first evaluation finished)
-            self.resume_path, self.damaged = self._pick_checkpoint()
         run = run_context(cfg)
         self.algorithm = build_algorithm(cfg.algorithm, run)
         self.algorithm.validate(int(t.num_workers))
+        self.resume_path, self.damaged, self.notices = None, [], []
+        self.restart_from_scratch = False
+        metrics = self.output_dir / "metrics.jsonl"
+        if metrics.exists() and metrics.stat().st_size:  # (an empty one: the run stopped before its first evaluation finished)
+            self.resume_path, self.damaged = self._pick_checkpoint()
+            self.restart_from_scratch = self.resume_path is None
         torch.manual_seed(t.seed)
         self.window = build_window(cfg)
         self.prompts = read_prompt_file(t.prompts) if t.prompts else None
@@ -161,6 +168,11 @@ class Trainer:
         self.gold_name = cfg.reward.gold
         if self.gold_name:
             self.eval_metrics[self.gold_name] = build_reward(self.gold_name, **options.get(self.gold_name, {}))
+        self.judge_names = [name for name in cfg.reward.judges if name != self.gold_name]
+        for name in self.judge_names:
+            self.eval_metrics.setdefault(name, build_reward(name, **options.get(name, {})))
+        space = cfg.reward.feature_space
+        self.feature_space = build_feature_space(space, options.get(space, {})) if space else None
         self._build_workers()
         if self.prompts is None:
             self.prompts = self.workers.default_prompts()
@@ -186,7 +198,11 @@ class Trainer:
         differ: its weights would not fit, or the run would not continue the same way."""
         t = self.cfg.trainer
         found = checkpoint.list_checkpoints(self.output_dir / "checkpoints")
-        if not (t.resume == "auto" if resume is None else resume) or not found:
+        auto = t.resume == "auto" if resume is None else resume
+        if auto and not found:  # stopped before its first checkpoint: only the records of those steps exist; start again
+            self.notices.append(f"{self.output_dir} has no checkpoint yet: starting again from step 0 (trainer.resume=auto)")
+            return None, []
+        if not auto or not found:
             why = "trainer.resume=auto continues it from its newest checkpoint" if found else "it has no complete checkpoint to resume from"
             raise RunFolderError(
                 f"output folder {self.output_dir} already holds a run (metrics.jsonl); it is left untouched — choose another trainer.output_dir ({why})"
@@ -198,7 +214,7 @@ class Trainer:
                 damaged.append((path, problem))
                 continue
             saved = json.loads((path / "state.json").read_text()).get("fingerprint")
-            ours = fingerprint(self.cfg)
+            ours = fingerprint(self.cfg, self.algorithm)
             if saved is not None and saved != ours:
                 diff = ", ".join(f"{k}: {saved.get(k)!r} in the checkpoint, {ours.get(k)!r} now" for k in sorted(set(saved) | set(ours)) if saved.get(k) != ours.get(k))
                 raise RunFolderError(
@@ -252,6 +268,7 @@ class Trainer:
         images = self.workers.generate_sequences(request)["images"]
         scores = per_sample_scores(images, prompts, self.eval_metrics)
         metrics = {f"eval/{name}": float(values.mean()) for name, values in scores.items()}
+        metrics.update(distribution_metrics(images, prompts, self.feature_space))  # diversity, near-duplicates, Fréchet
         self.logger.log_eval_samples(step, images, prompts, seeds, scores, samples_per_prompt=t.eval_seeds_per_prompt, max_grid_images=t.max_grid_images)
         metrics["eval/seconds"] = time.perf_counter() - start
         return metrics
@@ -313,6 +330,9 @@ class Trainer:
         cfg, t = self.cfg, self.cfg.trainer
         (self.output_dir / "images").mkdir(parents=True, exist_ok=True)
         (self.output_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+        if self.restart_from_scratch:
+            (self.output_dir / "metrics.jsonl").unlink(missing_ok=True)
+            self.restart_from_scratch = False
         start_step, before, last_eval = self._resume() if self.resume_path else (0, None, None)
         log = self.logger = RunLogger(
             self.output_dir, wandb_mode=t.wandb, project=t.wandb_project, entity=t.wandb_entity, run_name=t.wandb_run_name,
@@ -507,7 +527,7 @@ class Trainer:
 
     def trainer_state(self) -> dict:
         """JSON state saved next to the weights: what a resume needs beyond the engine."""
-        return {"experiment": self.cfg.experiment, "fingerprint": fingerprint(self.cfg), "window": self.window.state_dict(), **self.algorithm.state_dict()}
+        return {"experiment": self.cfg.experiment, "fingerprint": fingerprint(self.cfg, self.algorithm), "window": self.window.state_dict(), **self.algorithm.state_dict()}
 
     @staticmethod
     def _eval_line(metrics: dict) -> str:
@@ -535,4 +555,5 @@ class Trainer:
         paired = run_paired_change(self.output_dir, int(self.cfg.trainer.steps), list(self.eval_metrics))
         if paired is not None:
             summary["paired_change"] = paired
+        summary.update(collapse_summary(before, after, self.output_dir, int(self.cfg.trainer.steps), self.gold_name, self.judge_names))
         return summary

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import os
 import socket
+import time
 
 import torch
 
@@ -48,6 +49,10 @@ class RankWorker:
         self.backend = parallel.init_distributed(rank, world_size, master_addr, master_port, backend, timeout_s)
         self.worker = worker_cls(config, role=role)
         return self.backend
+
+    def pid(self) -> int:
+        """This rank's process id (for operators and fault-injection tests)."""
+        return os.getpid()
 
     def execute(self, method: str, args: tuple, kwargs: dict):
         return getattr(self.worker, method)(*args, **kwargs)
@@ -146,17 +151,23 @@ class RayExecutor(Executor):
         """``ray.get`` of one ref per rank (or of the first ranks), with errors that name the rank and its node."""
         import ray
 
-        ready, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-        if pending:
-            late = [f"rank {i} on {self.rank_nodes[i]}" for i, ref in enumerate(refs) if ref in pending]
-            raise TimeoutError(f"{what} did not finish within {timeout_s:g} s: no answer from {', '.join(late)}")
-        out = []
-        for i, ref in enumerate(refs):
-            try:
-                out.append(ray.get(ref))
-            except ray.exceptions.RayActorError as exc:
-                raise WorkerLostError(f"{what}: the worker of rank {i} on {self.rank_nodes[i]} died ({type(exc).__name__})") from None
-        return out
+        # answers are taken as they come: a dead rank is reported at once, while the live ones may be
+        # blocked in a collective waiting for it
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        pending, results = list(refs), {}
+        while pending:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, pending = ray.wait(pending, num_returns=1, timeout=remaining)
+            if not ready:
+                late = [f"rank {i} on {self.rank_nodes[i]}" for i, ref in enumerate(refs) if ref in pending]
+                raise TimeoutError(f"{what} did not finish within {timeout_s:g} s: no answer from {', '.join(late)}")
+            for ref in ready:
+                i = refs.index(ref)
+                try:
+                    results[i] = ray.get(ref)
+                except ray.exceptions.RayActorError as exc:
+                    raise WorkerLostError(f"{what}: the worker of rank {i} on {self.rank_nodes[i]} died ({type(exc).__name__})") from None
+        return [results[i] for i in range(len(refs))]
 
     def call_all(self, method: str, args_per_rank: list[tuple], kwargs: dict) -> list:
         refs = [a.execute.remote(method, args, kwargs) for a, args in zip(self.actors, args_per_rank)]

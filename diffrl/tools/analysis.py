@@ -6,6 +6,7 @@ and ``.jsonl``, ``checkpoints/step_<N>/``, ``summary.json`` and, unless wandb wa
 >>> run = load_run("outputs/digits_flow_grpo-20260101-120000")       # doctest: +SKIP
 >>> run.eval[["step", "eval/digits", "eval/digits_gold"]]             # doctest: +SKIP
 >>> plot_curves([run, other], keys=["reward_mean", "eval/digits_gold"])  # doctest: +SKIP
+>>> compare([run, other])[["gold_accuracy_after", "diversity_pixel_vs_base", "frechet_after"]]  # doctest: +SKIP
 
 The offline wandb files are read back without wandb's servers by :func:`read_wandb_offline`: a
 ``run-<id>.wandb`` file is a 7-byte header (``":W&B"``, magic ``0xBEE1``, version 0) followed by
@@ -18,16 +19,19 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Sequence
 
 import pandas as pd
+import torch
 
 from diffrl import wandb_file
 from diffrl.checkpoint import list_checkpoints
 from diffrl.data import read_prompt_file
 from diffrl.distributed.workers import TrainingWorker
+from diffrl.logging import image_grid
+from diffrl.sampling.distribution import DISTRIBUTION_KEYS, relative_to_base
 from diffrl.sampling.evaluation import deterministic_settings, eval_prompts_and_seeds
 from diffrl.sampling.rollout import sample_trajectories
 from diffrl.trainer import worker_config
@@ -140,12 +144,30 @@ def _as_runs(runs: Run | str | Path | Iterable) -> list[Run]:
 
 
 def compare(runs: Sequence[Run | str | Path]) -> pd.DataFrame:
-    """One row per run: the scalar entries of ``summary.json`` (runs without a summary give NaN)."""
+    """One row per run: the scalar entries of ``summary.json`` and its :func:`collapse_columns` (runs without
+    a summary give NaN)."""
     rows = []
     for run in _as_runs(runs):
         summary = run.summary or {}
-        rows.append({"run": run.name, **{k: v for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}})
+        scalars = {k: v for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        rows.append({"run": run.name, **scalars, **collapse_columns(summary)})
     return pd.DataFrame(rows).set_index("run")
+
+
+def collapse_columns(summary: dict) -> dict:
+    """What the reward misses, as flat columns of a ``summary.json``: each distribution metric of
+    ``diffrl.sampling.distribution`` before and after (``frechet_before`` …), the diversities relative to
+    the base model (``diversity_pixel_vs_base``) and, per extra judge, its accuracy before and after and
+    whether its change disagrees with gold's beyond the evaluation noise (``digits_gold2_disagrees``)."""
+    before, after = summary.get("eval_before") or {}, summary.get("eval_after") or {}
+    out = {}
+    for key in DISTRIBUTION_KEYS:
+        if f"eval/{key}" in before and f"eval/{key}" in after:
+            out[f"{key}_before"], out[f"{key}_after"] = before[f"eval/{key}"], after[f"eval/{key}"]
+    out.update(relative_to_base(before, after))
+    for judge, d in (summary.get("judges") or {}).items():
+        out[f"{judge}_before"], out[f"{judge}_after"], out[f"{judge}_disagrees"] = d["judge_before"], d["judge_after"], d["disagree"]
+    return out
 
 
 # -- plots --------------------------------------------------------------------------------------
@@ -207,8 +229,40 @@ def plot_grids(run: Run | str | Path, steps: Sequence[int] | None = None, *, met
         ax.set_axis_off()
         row = run.eval[run.eval["step"] == step]
         names = metrics or [c for c in run.eval.columns if c.startswith("eval/") and c != "eval/seconds"]
-        stats = ", ".join(f"{n[5:] if n.startswith('eval/') else n}={row[n].iloc[-1]:.3f}" for n in names if n in row and len(row))
+        stats = ", ".join(f"{n.removeprefix('eval/')}={row[n].iloc[-1]:.3f}" for n in names if n in row and len(row))
         ax.set_title(f"step {step}" + (f": {stats}" if stats else ""))
+    fig.tight_layout()
+    return fig
+
+
+def plot_seed_grid(images: dict, prompts: list[str], per_prompt: int, *, title: str | None = None, scale: int = 4, dpi: int = 80):
+    """Per-prompt seed grids side by side: one row per prompt, its ``per_prompt`` seeds under each model.
+
+    Args:
+        images: ``{label: uint8 [N, 3, H, W]}`` (e.g. base, trained, real), each in the order of ``prompts``.
+        prompts: ``N`` prompts, ``per_prompt`` consecutive samples per prompt.
+
+    Returns:
+        The matplotlib ``Figure`` (prompts as row labels, model labels on top).
+    """
+    import matplotlib.pyplot as plt
+
+    names = list(images)
+    if not names or any(v.shape[0] != len(prompts) for v in images.values()):
+        raise ValueError(f"plot_seed_grid: every model needs {len(prompts)} images (one per prompt), got {[tuple(v.shape) for v in images.values()]}")
+    starts = list(range(0, len(prompts), per_prompt))
+    gap = torch.full_like(images[names[0]][:1], 64)
+    tiles = [t for s in starts for k, name in enumerate(names) for t in ([images[name][s : s + per_prompt]] + ([gap] if k < len(names) - 1 else []))]
+    columns = len(names) * (per_prompt + 1) - 1
+    grid = image_grid(torch.cat(tiles), columns=columns, scale=scale)
+    fig, ax = plt.subplots(figsize=(grid.width / dpi + 1.6, grid.height / dpi + 0.6), dpi=dpi)
+    ax.imshow(grid)
+    ax.set_yticks([grid.height * (i + 0.5) / len(starts) for i in range(len(starts))], [prompts[s] for s in starts], fontsize=7)
+    ax.set_xticks([grid.width * (k * (per_prompt + 1) + per_prompt / 2) / columns for k in range(len(names))], names, fontsize=8)
+    ax.xaxis.tick_top()
+    ax.tick_params(length=0)
+    if title:
+        ax.set_xlabel(title, fontsize=9)
     fig.tight_layout()
     return fig
 
@@ -259,12 +313,13 @@ def eval_set(run: Run | str | Path, adapter=None) -> tuple[list[str], list[int]]
 
 
 def eval_metrics(run: Run | str | Path) -> dict:
-    """``{name: reward}``: the run's rewards and gold metric, built from its config (as the trainer does)."""
+    """``{name: reward}``: the run's rewards, gold metric and extra judges (``reward.judges``), built from its
+    config (as the trainer does)."""
 
     (run,) = _as_runs(run)
     r = run.config["reward"]
     options = r.get("options") or {}
-    names = dict.fromkeys([*r["names"], *([r["gold"]] if r.get("gold") else [])])
+    names = dict.fromkeys([*r["names"], *([r["gold"]] if r.get("gold") else []), *(r.get("judges") or [])])
     return {name: build_reward(name, **options.get(name, {})) for name in names}
 
 

@@ -3,6 +3,9 @@
 ``digits``: ``p_reward(digit | image) · p_reward(colour | image)`` from the shipped CNN reward
 classifier, in [0, 1] (unit: probability). ``digits_gold``: 1 when the independently trained gold
 judge's argmax digit and colour both match the prompt, else 0 — used for evaluation only.
+``digits_gold2``: the same for a second judge that shares neither data nor architecture with the two
+classifiers (``judge2``: trained on the digits in neither of their training splits, colour by a rule, digit
+by an MLP on the 8×8 intensity); its hidden layer is the feature space of the distribution metrics.
 
 The package holds the digits world (``data``: palette, prompts, the sklearn digits), the classifiers
 (``classifiers``) and their safetensors I/O (``io``); the generator family ``pipelines.digits`` builds on it.
@@ -15,6 +18,9 @@ import torch
 from rewards.base import Reward, register_reward
 from rewards.digits.classifiers import DigitsClassifier
 from rewards.digits.data import ASSET_DIR, parse_prompt
+from rewards.digits.judge2 import DigitsGold2
+
+__all__ = ["DigitsGold", "DigitsGold2", "DigitsReward", "judge_correct"]
 
 
 def _targets(prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:

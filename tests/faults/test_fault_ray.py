@@ -1,0 +1,83 @@
+"""Fault injection, Ray: a rank's process killed with SIGKILL in the middle of a run (two gloo ranks, FSDP2).
+With ``trainer.max_restarts=1`` the driver restarts the workers from the newest checkpoint and finishes
+with the weights of an uninterrupted run; with 0 it stops with a one-line error naming the rank."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+import ray
+import torch
+from safetensors.torch import load_file
+
+from diffrl.recipes import compose
+from diffrl.trainer import RunStopped, Trainer
+
+PROMPTS = ["a red seven", "a blue two"]
+
+
+def _overrides(tmp_path, out, *extra):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(PROMPTS) + "\n")
+    return [
+        "sampler.num_steps=3", "sampler.eval_num_steps=2", "trainer.steps=3", "trainer.prompts_per_step=2", "trainer.group_size=2",
+        "trainer.eval_seeds_per_prompt=1", "trainer.eval_every=100", "trainer.checkpoint_every=1", "trainer.threads=1", "trainer.wandb=disabled",
+        "trainer.backend=ray", "trainer.num_workers=2", "trainer.ray_call_timeout_s=120", f"trainer.output_dir={out}", "trainer.progress=false",
+        f"trainer.prompts={prompts}", *extra,
+    ]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=150 * 1024 * 1024, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def _kill_rank_before_step(trainer: Trainer, rank: int, step_index: int) -> list[int]:
+    killed: list[int] = []
+    original = trainer.train_step
+
+    def train_step(step):
+        if step == step_index and not killed:
+            pid = ray.get(trainer.workers.executor.actors[rank].pid.remote())
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+        return original(step)
+
+    trainer.train_step = train_step
+    return killed
+
+
+def _records(run):
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not k.startswith(("time", "perf/")) and "seconds" not in k} for r in rows if r["kind"] == "train"]
+
+
+def test_lost_rank_restarts_from_the_newest_checkpoint_or_stops_naming_it(tmp_path, cluster, capsys):
+    straight = Trainer(compose(_overrides(tmp_path, tmp_path / "straight")))
+    straight.fit()
+    straight.close()
+
+    restarted = Trainer(compose(_overrides(tmp_path, tmp_path / "restarted", "trainer.max_restarts=1", "trainer.progress=true")))
+    killed = _kill_rank_before_step(restarted, rank=1, step_index=2)
+    restarted.fit()
+    restarted.close()
+    assert len(killed) == 1
+    out = capsys.readouterr()
+    assert "the worker of rank 1 on" in out.out + out.err and "restarting the workers from step_000002" in out.out + out.err
+    final = "checkpoints/step_000003/model.safetensors"
+    a, b = load_file(str(tmp_path / "straight" / final)), load_file(str(tmp_path / "restarted" / final))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert _records(tmp_path / "straight") == _records(tmp_path / "restarted")
+
+    stopped = Trainer(compose(_overrides(tmp_path, tmp_path / "stopped")))
+    _kill_rank_before_step(stopped, rank=0, step_index=1)
+    with pytest.raises(RunStopped) as info:
+        stopped.fit()
+    stopped.close()
+    message = str(info.value)
+    assert "\n" not in message and "rank 0" in message and "step_000001" in message and "trainer.max_restarts" in message
