@@ -44,7 +44,8 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be written or read whole (the message names the folder and the file)."""
 
 
-def _fsync_dir(path: Path) -> None:
+def _fsync(path: Path) -> None:
+    """Flush a file or a folder (its entries) to disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -70,14 +71,6 @@ def _sha256(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
-
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _optimizer_payload(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
@@ -139,12 +132,12 @@ def save_engine(engine, root: str | Path, *, global_step: int, extra_state: dict
             (tmp / "state.json").write_text(json.dumps({"global_step": global_step, "lora": lora, **(extra_state or {})}, indent=2))
             files = sorted(p for p in tmp.iterdir() if p.is_file())
             for f in files:
-                _fsync_file(f)
+                _fsync(f)
             manifest = {f.name: {"bytes": f.stat().st_size, "sha256": _sha256(f)} for f in files}
             (tmp / MANIFEST).write_text(json.dumps({"files": manifest}, indent=2))
-            _fsync_file(tmp / MANIFEST)
+            _fsync(tmp / MANIFEST)
             os.replace(tmp, final)
-            _fsync_dir(root)
+            _fsync(root)
         except (OSError, SafetensorError) as exc:  # safetensors reports a full disk as SafetensorError
             shutil.rmtree(tmp, ignore_errors=True)
             kept = list_checkpoints(root)
@@ -204,7 +197,7 @@ def set_aside(path: str | Path) -> Path:
     return target
 
 
-def load_engine(engine, path: str | Path) -> dict:
+def load_engine(engine, path: str | Path, *, hashes: bool = True) -> dict:
     """Load weights, the old policy and the optimizer state from a checkpoint folder; return its state.json.
 
     Under torch.distributed every rank calls it and keeps its own shards.
@@ -212,7 +205,7 @@ def load_engine(engine, path: str | Path) -> dict:
     path = Path(path)
     if not (path / "model.safetensors").is_file() or not (path / "state.json").is_file():
         raise FileNotFoundError(f"{path} is not a complete checkpoint (model.safetensors and state.json are required)")
-    problem = verify(path)
+    problem = verify(path, hashes=hashes)
     if problem:
         raise CheckpointError(f"checkpoint {path} is damaged: {problem}; nothing was loaded")
     # read and check every file before the engine changes: a bad checkpoint never half-loads

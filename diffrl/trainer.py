@@ -399,7 +399,7 @@ class Trainer:
             self.notices.append(f"skipped damaged checkpoint {path.name} ({why}); kept as {kept.name}")
         for tmp in root.glob("step_*.tmp-*"):  # a write cut by a kill: partial, never used
             shutil.rmtree(tmp, ignore_errors=True)
-        state = self.workers.load_checkpoint(self.resume_path)
+        state = self.workers.load_checkpoint(self.resume_path, hashes=False)  # _pick_checkpoint hashed it already
         step = int(state["global_step"])
         self.window.load_state_dict(state["window"])
         self.algorithm.load_state_dict(state)

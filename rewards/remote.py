@@ -130,7 +130,9 @@ def _shut(sock: socket.socket) -> None:
         pass
 
 
-class _WatchedHTTP(http.client.HTTPConnection):
+class _Watched:
+    """Mixin for ``http.client`` connections: the deadline watches the socket once connected."""
+
     def __init__(self, *args, deadline: _Deadline, **kwargs):
         super().__init__(*args, **kwargs)
         self.deadline = deadline
@@ -140,14 +142,12 @@ class _WatchedHTTP(http.client.HTTPConnection):
         self.deadline.watch(self.sock)
 
 
-class _WatchedHTTPS(http.client.HTTPSConnection):
-    def __init__(self, *args, deadline: _Deadline, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.deadline = deadline
+class _WatchedHTTP(_Watched, http.client.HTTPConnection):
+    pass
 
-    def connect(self) -> None:
-        super().connect()
-        self.deadline.watch(self.sock)
+
+class _WatchedHTTPS(_Watched, http.client.HTTPSConnection):
+    pass
 
 
 class _WatchedHTTPHandler(urllib.request.HTTPHandler):

@@ -176,8 +176,8 @@ class WorkerGroup:
     def save_checkpoint(self, local_path, global_step: int = 0, extra_state: dict | None = None):
         return self._call("save_checkpoint", local_path, global_step, extra_state)
 
-    def load_checkpoint(self, local_path) -> dict:
-        return self._call("load_checkpoint", local_path)
+    def load_checkpoint(self, local_path, hashes: bool = True) -> dict:
+        return self._call("load_checkpoint", local_path, hashes=hashes)
 
     # -- model facts ---------------------------------------------------------------------------------
     def default_prompts(self) -> list[str] | None:

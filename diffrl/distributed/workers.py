@@ -162,8 +162,8 @@ class TrainingWorker:
         return checkpoint.save_engine(self.engine, local_path, global_step=global_step, extra_state=extra_state)
 
     @register(Dispatch.ONE_TO_ALL)
-    def load_checkpoint(self, local_path: str | Path) -> dict:
-        return checkpoint.load_engine(self.engine, local_path)
+    def load_checkpoint(self, local_path: str | Path, hashes: bool = True) -> dict:
+        return checkpoint.load_engine(self.engine, local_path, hashes=hashes)
 
 
 class ActorRolloutRefWorker(TrainingWorker):
