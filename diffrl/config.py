@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 STD_MODES = ("group", "global", "none")
 AGGREGATION_MODES = ("sum_rewards", "sum_advantages")
 LR_SCHEDULES = ("constant", "linear", "cosine")
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -112,7 +113,7 @@ class LoraConfig:
 
 @dataclass
 class ModelConfig:
-    CHECKS: ClassVar[dict[str, Check]] = {"dtype": one_of(*DTYPES)}
+    CHECKS: ClassVar[dict[str, Check]] = {"dtype": one_of(*DTYPES), "checkpoint_every": at_least(1), "compile_mode": one_of(*COMPILE_MODES), "compile_scope": one_of("model", "blocks")}
     family: str = "digits"
     """model family (pipelines/<family>)"""
     path: Optional[str] = None
@@ -129,11 +130,19 @@ class ModelConfig:
     param_offload: bool = False
     """FSDP2: keep sharded parameters and optimizer state on the CPU"""
     activation_checkpointing: bool = False
-    """recompute block activations in the backward pass"""
+    """recompute block activations in the backward pass (diffrl.engine.memory; model.checkpoint_every picks the blocks)"""
+    checkpoint_every: int = 1
+    """with activation_checkpointing: checkpoint every k-th repeated block (1: all, least memory; 2: every other, half the recompute)"""
     compile: bool = False
     """torch.compile the denoiser in place after LoRA is attached (rollout and training share the compiled module; GPU speed)"""
     compile_backend: str = "inductor"
     """torch.compile backend of model.compile (inductor on GPU; aot_eager for CPU tests)"""
+    compile_scope: str = "model"
+    """what model.compile compiles: model (the whole denoiser, one graph) | blocks (each repeated block; identical blocks share one graph, so a 60-block model compiles in a fraction of the time)"""
+    compile_mode: str = "default"
+    """torch.compile mode: default | reduce-overhead (CUDA graphs) | max-autotune | max-autotune-no-cudagraphs"""
+    compile_cache_dir: Optional[str] = None
+    """inductor's cache directory (compiled kernels, FX graphs), so that a restart does not recompile; null: torch's default (/tmp)"""
 
     def adapter_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of the family's adapter: ``options`` plus path, dtype and device."""

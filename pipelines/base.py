@@ -26,6 +26,7 @@ from tensordict import TensorDict
 from torch import nn
 
 from pipelines.schedules import shifted_sigmas
+from pipelines.shapes import check_shape_path, resolve_shape
 
 _FAMILIES: dict[str, Callable[..., "ModelAdapter"]] = {}
 
@@ -217,6 +218,9 @@ def check_adapter_options(family: str, kwargs: Mapping) -> type:
         if unknown:
             valid = sorted(k for k in params if k != "self")
             raise ValueError(f"model family {family!r} takes no option(s) {unknown}; its options are {valid} (model.options.<name>=…)")
+    if "shape" in kwargs and "shape" in params:  # a published shape (pipelines.shapes): checked before anything is built
+        check_shape_path(str(kwargs["shape"]), kwargs.get("path"))
+        resolve_shape(family, str(kwargs["shape"]))
     return cls
 
 

@@ -42,8 +42,9 @@ def _byte_symbols() -> list[str]:
     return [symbols[b] for b in range(256)]
 
 
-def build_tiny_tokenizer():
-    """A CLIP tokenizer over single bytes (no merges), built offline: 2 specials + 256 + 256 ``</w>`` symbols."""
+def build_tiny_tokenizer(max_length: int = 16):
+    """A CLIP tokenizer over single bytes (no merges), built offline: 2 specials + 256 + 256 ``</w>`` symbols,
+    padding to ``max_length`` tokens (16 in the tiny configurations, CLIP's 77 at published shapes)."""
     from transformers import CLIPTokenizer
 
     vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
@@ -51,7 +52,7 @@ def build_tiny_tokenizer():
         vocab[symbol] = len(vocab)
     for symbol in _byte_symbols():
         vocab[symbol + "</w>"] = len(vocab)
-    return CLIPTokenizer(vocab=vocab, merges=[], model_max_length=16)
+    return CLIPTokenizer(vocab=vocab, merges=[], model_max_length=max_length)
 
 
 def build_tiny_t5_tokenizer(max_length: int = 16):

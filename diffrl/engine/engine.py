@@ -15,13 +15,15 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import os
 from collections import defaultdict
+from pathlib import Path
 
 import torch
 from tensordict import TensorDict
 
 from diffrl.config import ModelConfig, OptimConfig, SamplerConfig
-from diffrl.engine import lora, parallel
+from diffrl.engine import lora, memory, parallel
 from diffrl.sampling.sde import is_deterministic, run_step
 
 
@@ -40,7 +42,8 @@ def lr_factor(step: int, o: OptimConfig, total_steps: int | None = None) -> floa
     return 1.0 - progress if o.lr_schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def compile_denoiser(module: torch.nn.Module, *, backend: str = "inductor") -> None:
+def compile_denoiser(module: torch.nn.Module, *, backend: str = "inductor", mode: str | None = None, cache_dir: str | None = None,
+                     blocks: list[torch.nn.Module] | None = None) -> None:
     """Compile ``module`` in place with ``torch.compile`` (``nn.Module.compile``: parameters, buffers and
     state-dict keys stay those of the module, unlike a wrapping ``OptimizedModule``).
 
@@ -50,8 +53,18 @@ def compile_denoiser(module: torch.nn.Module, *, backend: str = "inductor") -> N
     recompile limit is raised to 32 so that these variants (train/eval mode × grad × adapter state × batch
     shapes) do not silently fall back to eager. Under FSDP2 the sharded module is compiled (not yet measured).
     Sets inductor's ``emulate_precision_casts`` (process-wide) for rollout/training log-prob parity.
+
+    ``mode`` is ``torch.compile``'s (``default``; ``reduce-overhead`` replays CUDA graphs, which removes the
+    launch gaps of the rollout's step loop; ``max-autotune``). ``cache_dir`` becomes inductor's cache
+    directory (``TORCHINDUCTOR_CACHE_DIR``, process-wide, kernels and FX graphs), so that a restarted run
+    finds its compiled graphs there instead of compiling again.
+
+    ``blocks`` (``model.compile_scope=blocks``): compile each of these repeated blocks in place instead of the
+    whole module (regional compilation). Identical blocks share one graph (parameters are graph inputs), so
+    compile time no longer grows with depth; the code between blocks stays eager.
     """
-    if getattr(module, "_compiled_call_impl", None) is not None:
+    targets = list(blocks) if blocks else [module]
+    if all(getattr(t, "_compiled_call_impl", None) is not None for t in targets):
         return
     import torch._inductor.config as inductor_config
 
@@ -63,7 +76,11 @@ def compile_denoiser(module: torch.nn.Module, *, backend: str = "inductor") -> N
     dynamo_config = torch._dynamo.config
     name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
     setattr(dynamo_config, name, max(getattr(dynamo_config, name), 32))
-    module.compile(backend=backend, dynamic=False)
+    if cache_dir:
+        Path(cache_dir).mkdir(parents=True, exist_ok=True)
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(cache_dir).resolve())
+    for target in targets:
+        target.compile(backend=backend, dynamic=False, mode=None if mode in (None, "default") else mode)
 
 
 class DiffusionEngine:
@@ -127,9 +144,7 @@ class DiffusionEngine:
             self._reference_copy.denoiser = copy.deepcopy(module).requires_grad_(False)
             module.requires_grad_(True)
         if self.model.activation_checkpointing:
-            if not hasattr(module, "enable_gradient_checkpointing"):
-                raise ValueError(f"{type(module).__name__} has no gradient checkpointing; set activation_checkpointing=false")
-            module.enable_gradient_checkpointing()
+            memory.checkpoint_blocks(self.adapter.fsdp_blocks(), self.model.checkpoint_every)
         self.initialized = True  # copy_to_old below must not re-enter
         if self.old_policy_at_start:
             self.copy_to_old()
@@ -137,7 +152,8 @@ class DiffusionEngine:
             parallel.apply_fsdp(module, self.adapter.fsdp_blocks(), param_offload=self.model.param_offload)
             self.sharded = True
         if self.model.compile:
-            compile_denoiser(module, backend=self.model.compile_backend)
+            blocks = self.adapter.fsdp_blocks() if self.model.compile_scope == "blocks" else None
+            compile_denoiser(module, backend=self.model.compile_backend, mode=self.model.compile_mode, cache_dir=self.model.compile_cache_dir, blocks=blocks)
         o, total = self.optim, self.total_steps
         self.optimizer = torch.optim.AdamW(self.trainable_parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
         lr_factor(0, o, total)  # validate the schedule before any work

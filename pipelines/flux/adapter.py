@@ -32,7 +32,8 @@ from pipelines.base import register_family, torch_dtype
 from pipelines.flops import flux_forward_flops
 from pipelines.latent import LatentFlowFamily, check_folder, load_common, load_tokenizer, own_memory, pack_latents, unpack_latents
 from pipelines.schedules import calculate_shift, shifted_sigmas
-from pipelines.tiny import TINY_CLIP, build_tiny_t5, build_tiny_t5_tokenizer, build_tiny_tokenizer, build_tiny_vae
+from pipelines.shapes import Shape, building, check_shape_path, clip_config, plain, resolve_shape, t5_config
+from pipelines.tiny import TINY_CLIP, TINY_T5, build_tiny_t5, build_tiny_t5_tokenizer, build_tiny_tokenizer, build_tiny_vae
 
 # FLUX.1-dev's scheduler config (dynamic shifting)
 FLUX_SCHEDULER_CONFIG = {
@@ -73,6 +74,25 @@ def build_tiny_flux_components(seed: int = 0) -> dict:
     }
 
 
+def build_flux_components(seed: int, shape: Shape, device: str, dtype: str) -> dict:
+    """FLUX components at a published shape (:mod:`pipelines.shapes`), random, built on ``device`` in ``dtype``: the
+    transformer and the VAE at their published configs, 2-layer CLIP-L (pooled 768) and T5 (4096, padded to
+    ``max_sequence_length`` tokens)."""
+    from diffusers import AutoencoderKL, FluxTransformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+    t5_tok = build_tiny_t5_tokenizer(max_length=shape.max_sequence_length)
+    with building(device, dtype, seed):
+        transformer = FluxTransformer2DModel(**shape.transformer)
+        vae = AutoencoderKL(**plain(shape.vae), **FLUX_VAE_NORM)
+        clip = CLIPTextModel(CLIPTextConfig(**clip_config(TINY_CLIP, shape.text_widths["clip_l"])))
+        t5 = T5EncoderModel(T5Config(vocab_size=len(t5_tok), **t5_config(TINY_T5, shape.text_widths["t5"])))
+    return {
+        "transformer": transformer, "vae": vae, "text_encoder": clip, "text_encoder_2": t5,
+        "tokenizer": build_tiny_tokenizer(77), "tokenizer_2": t5_tok, "scheduler": dict(FLUX_SCHEDULER_CONFIG),
+    }
+
+
 def load_flux_components(path: str | Path) -> dict:
     from transformers import CLIPTextModel, T5EncoderModel
 
@@ -100,6 +120,8 @@ class FluxAdapter(LatentFlowFamily):
         sample_size: image side (pixels) whose packed sequence length sets the default dynamic shift
             when :meth:`schedule` is called without ``height``/``width`` (None: the VAE config's
             ``sample_size``: 1024 for FLUX.1, 32 for the tiny configuration).
+        shape: with no ``path``, ``tiny`` (the test configuration) or ``flux_dev`` / ``full``: FLUX.1-dev's published
+            shape with random weights (:mod:`pipelines.shapes`).
     """
 
     family = "FLUX"
@@ -115,10 +137,15 @@ class FluxAdapter(LatentFlowFamily):
     def __init__(
         self, path: str | None = None, dtype: str = "float32", device: str = "cpu", seed: int = 0,
         decode_chunk: int = 16, drop_text_encoders: bool = False, max_sequence_length: int = 512,
-        sample_size: int | None = None,
+        sample_size: int | None = None, shape: str = "tiny",
     ):
         torch_dtype(dtype)
-        parts = build_tiny_flux_components(seed) if path is None else load_flux_components(path)
+        check_shape_path(shape, path)
+        spec = resolve_shape("flux", shape)
+        if path is not None:
+            parts = load_flux_components(path)
+        else:
+            parts = build_tiny_flux_components(seed) if spec is None else build_flux_components(seed, spec, device, dtype)
         self._setup(parts, dtype, device, decode_chunk, drop_text_encoders)
         self.max_sequence_length = min(int(max_sequence_length), int(self.tokenizers["tokenizer_2"].model_max_length))
         self.clip_max_length = int(self.tokenizers["tokenizer"].model_max_length)

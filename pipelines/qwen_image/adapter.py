@@ -48,6 +48,7 @@ from pipelines.base import check_cfg_mode, register_family, torch_dtype
 from pipelines.flops import qwen_image_forward_flops
 from pipelines.latent import LatentFlowFamily, check_folder, load_common, own_memory, pack_latents, unpack_latents
 from pipelines.schedules import calculate_shift
+from pipelines.shapes import Shape, building, check_shape_path, plain, resolve_shape
 
 PROMPT_TEMPLATE = (
     "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, spatial "
@@ -118,15 +119,28 @@ def build_tiny_qwen_tokenizer():
     )
 
 
-def build_tiny_qwen_text_encoder(seed: int, vocab_size: int):
-    """A tiny random ``Qwen2_5_VLForConditionalGeneration`` (2 text layers of width 32, a 1-layer vision tower)."""
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+def qwen_text_config(vocab_size: int, width: int | None = None):
+    """The tiny ``Qwen2_5_VLConfig`` (2 text layers of width 32, a 1-layer vision tower); ``width`` widens the text
+    model to that hidden size (heads of 128, 4 key/value heads, M-RoPE sections 16/24/24 as Qwen2.5-VL-7B's)."""
+    from transformers import Qwen2_5_VLConfig
 
     v = max(vocab_size, 64)
-    config = Qwen2_5_VLConfig(
-        text_config=dict(vocab_size=v + 4, pad_token_id=0, eos_token_id=2, **TINY_QWEN_TEXT), vision_config=dict(TINY_QWEN_VISION),
+    text, vision = dict(TINY_QWEN_TEXT), dict(TINY_QWEN_VISION)
+    if width is not None:
+        text.update(hidden_size=width, num_attention_heads=width // 128, num_key_value_heads=4, intermediate_size=1024,
+                    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]})
+        vision.update(out_hidden_size=width)
+    return Qwen2_5_VLConfig(
+        text_config=dict(vocab_size=v + 4, pad_token_id=0, eos_token_id=2, **text), vision_config=vision,
         image_token_id=v, video_token_id=v + 1, vision_start_token_id=v + 2, vision_end_token_id=v + 3,
     )
+
+
+def build_tiny_qwen_text_encoder(seed: int, vocab_size: int):
+    """A tiny random ``Qwen2_5_VLForConditionalGeneration`` (:func:`qwen_text_config`)."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    config = qwen_text_config(vocab_size)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return Qwen2_5_VLForConditionalGeneration(config).eval()
@@ -146,6 +160,20 @@ def build_tiny_qwen_image_components(seed: int = 0) -> dict:
         "transformer": transformer, "vae": vae, "text_encoder": build_tiny_qwen_text_encoder(seed + 2, len(tokenizer)),
         "tokenizer": tokenizer, "scheduler": dict(QWEN_IMAGE_SCHEDULER_CONFIG),
     }
+
+
+def build_qwen_image_components(seed: int, shape: Shape, device: str, dtype: str) -> dict:
+    """Qwen-Image components at a published shape (:mod:`pipelines.shapes`), random, built on ``device`` in ``dtype``:
+    the transformer and the VAE at their published configs and a 2-layer Qwen2.5-VL of the real width (3584)."""
+    from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    tokenizer = build_tiny_qwen_tokenizer()
+    with building(device, dtype, seed):
+        transformer = QwenImageTransformer2DModel(**shape.transformer)
+        vae = AutoencoderKLQwenImage(**plain(shape.vae))
+        text_encoder = Qwen2_5_VLForConditionalGeneration(qwen_text_config(len(tokenizer), shape.text_widths["qwen2_5_vl"])).eval()
+    return {"transformer": transformer, "vae": vae, "text_encoder": text_encoder, "tokenizer": tokenizer, "scheduler": dict(QWEN_IMAGE_SCHEDULER_CONFIG)}
 
 
 def load_qwen_image_components(path: str | Path) -> dict:
@@ -191,6 +219,8 @@ class QwenImageAdapter(LatentFlowFamily):
             :meth:`schedule` gets no ``height``/``width`` (None: the pipeline's default ``128·vae_factor``).
         cfg_mode: how a guided ``predict`` runs its two branches (``split`` | ``batched``, see
             :meth:`ModelAdapter.predict`).
+        shape: with no ``path``, ``tiny`` (the test configuration) or ``qwen_image`` / ``full``: Qwen-Image's published
+            shape (20.4 B) with random weights (:mod:`pipelines.shapes`).
     """
 
     family = "Qwen-Image"
@@ -206,13 +236,18 @@ class QwenImageAdapter(LatentFlowFamily):
     def __init__(
         self, path: str | None = None, dtype: str = "float32", device: str = "cpu", seed: int = 0,
         decode_chunk: int = 16, drop_text_encoders: bool = False, max_sequence_length: int = 512,
-        negative_prompt: str = "", sample_size: int | None = None, cfg_mode: str = "split",
+        negative_prompt: str = "", sample_size: int | None = None, cfg_mode: str = "split", shape: str = "tiny",
     ):
         torch_dtype(dtype)
         self.cfg_mode = check_cfg_mode(cfg_mode)
         if not 1 <= int(max_sequence_length) <= TOKENIZER_MAX_LENGTH:
             raise ValueError(f"Qwen-Image: max_sequence_length must be in [1, {TOKENIZER_MAX_LENGTH}], got {max_sequence_length}")
-        parts = build_tiny_qwen_image_components(seed) if path is None else load_qwen_image_components(path)
+        check_shape_path(shape, path)
+        spec = resolve_shape("qwen_image", shape)
+        if path is not None:
+            parts = load_qwen_image_components(path)
+        else:
+            parts = build_tiny_qwen_image_components(seed) if spec is None else build_qwen_image_components(seed, spec, device, dtype)
         self._setup(parts, dtype, device, decode_chunk, drop_text_encoders)
         self.max_sequence_length = int(max_sequence_length)
         self.negative_prompt = str(negative_prompt)

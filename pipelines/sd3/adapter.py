@@ -32,7 +32,8 @@ from pipelines.base import check_cfg_mode, register_family, torch_dtype
 from pipelines.flops import mmdit_forward_flops
 from pipelines.latent import LatentFlowFamily, check_folder, load_common, load_tokenizer, own_memory
 from pipelines.schedules import flow_match_sigmas
-from pipelines.tiny import TINY_CLIP, build_tiny_t5, build_tiny_t5_tokenizer, build_tiny_tokenizer, build_tiny_vae
+from pipelines.shapes import Shape, building, check_shape_path, clip_config, plain, resolve_shape, t5_config
+from pipelines.tiny import TINY_CLIP, TINY_T5, build_tiny_t5, build_tiny_t5_tokenizer, build_tiny_tokenizer, build_tiny_vae
 
 SD3_SCHEDULER_CONFIG = {"_class_name": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 3.0}
 
@@ -62,6 +63,33 @@ def build_tiny_sd3_components(seed: int = 0) -> dict:
         "transformer": transformer, "vae": build_tiny_vae(seed + 1, **SD3_VAE_NORM),
         "text_encoder": clip_l, "text_encoder_2": clip_g, "text_encoder_3": build_tiny_t5(seed + 2, len(t5_tok)),
         "tokenizer": build_tiny_tokenizer(), "tokenizer_2": build_tiny_tokenizer(), "tokenizer_3": t5_tok,
+        "scheduler": dict(SD3_SCHEDULER_CONFIG),
+    }
+
+
+def build_sd3_components(seed: int, shape: Shape, device: str, dtype: str) -> dict:
+    """SD3 components at a published shape (:mod:`pipelines.shapes`), random, built on ``device`` in ``dtype``: the
+    transformer and the VAE at their published configs, 2-layer CLIP-L/CLIP-G/T5 of the real widths (768, 1280, 4096)
+    and token counts (77 CLIP, ``max_sequence_length`` T5)."""
+    from diffusers import AutoencoderKL, SD3Transformer2DModel
+    from transformers import (
+        CLIPTextConfig,
+        CLIPTextModelWithProjection,
+        T5Config,
+        T5EncoderModel,
+    )
+
+    t5_tok = build_tiny_t5_tokenizer(max_length=shape.max_sequence_length)
+    widths = shape.text_widths
+    with building(device, dtype, seed):
+        transformer = SD3Transformer2DModel(**shape.transformer)
+        vae = AutoencoderKL(**plain(shape.vae), **SD3_VAE_NORM)
+        clip_l = CLIPTextModelWithProjection(CLIPTextConfig(**clip_config(TINY_CLIP, widths["clip_l"])))
+        clip_g = CLIPTextModelWithProjection(CLIPTextConfig(**clip_config(TINY_CLIP, widths["clip_g"])))
+        t5 = T5EncoderModel(T5Config(vocab_size=len(t5_tok), **t5_config(TINY_T5, widths["t5"])))
+    return {
+        "transformer": transformer, "vae": vae, "text_encoder": clip_l, "text_encoder_2": clip_g, "text_encoder_3": t5,
+        "tokenizer": build_tiny_tokenizer(77), "tokenizer_2": build_tiny_tokenizer(77), "tokenizer_3": t5_tok,
         "scheduler": dict(SD3_SCHEDULER_CONFIG),
     }
 
@@ -98,6 +126,8 @@ class SD3Adapter(LatentFlowFamily):
             H200 at SD3.5-M scale (``benchmarks/gpu_speed.py``, compiled, LoRA r32): training step 4.10 s →
             3.09 s and end-to-end Flow-GRPO 2.65 → 3.15 trajectories/s, rollout 8.75 → 8.54 images/s.
             Rollout and training use the same mode, so their log-probs stay in parity.
+        shape: with no ``path``, ``tiny`` (the test configuration) or a published shape with random weights
+            (``sd35_medium``, ``sd35_large``; ``full`` = ``sd35_large``; :mod:`pipelines.shapes`).
     """
 
     family = "SD3"
@@ -112,10 +142,16 @@ class SD3Adapter(LatentFlowFamily):
     def __init__(
         self, path: str | None = None, dtype: str = "float32", device: str = "cpu", seed: int = 0,
         decode_chunk: int = 16, drop_text_encoders: bool = False, max_sequence_length: int = 256, cfg_mode: str = "split",
+        shape: str = "tiny",
     ):
         torch_dtype(dtype)
         self.cfg_mode = check_cfg_mode(cfg_mode)
-        parts = build_tiny_sd3_components(seed) if path is None else load_sd3_components(path)
+        check_shape_path(shape, path)
+        spec = resolve_shape("sd3", shape)
+        if path is not None:
+            parts = load_sd3_components(path)
+        else:
+            parts = build_tiny_sd3_components(seed) if spec is None else build_sd3_components(seed, spec, device, dtype)
         self._setup(parts, dtype, device, decode_chunk, drop_text_encoders)
         self.shift = float(self.scheduler_config.get("shift", 3.0))
         self.max_sequence_length = min(int(max_sequence_length), int(self.tokenizers["tokenizer_3"].model_max_length))

@@ -43,6 +43,7 @@ from pipelines.base import check_cfg_mode, register_family, torch_dtype
 from pipelines.flops import wan_forward_flops
 from pipelines.latent import LatentFlowFamily, check_folder, load_common, load_tokenizer, own_memory
 from pipelines.schedules import flow_match_sigmas
+from pipelines.shapes import Shape, building, check_shape_path, plain, resolve_shape, t5_config
 from pipelines.tiny import build_tiny_t5_tokenizer
 
 # Wan2.1-T2V's scheduler config (480p flow_shift); only flow_shift and num_train_timesteps are read
@@ -98,6 +99,21 @@ def build_tiny_wan_components(seed: int = 0) -> dict:
     }
 
 
+def build_wan_components(seed: int, shape: Shape, device: str, dtype: str) -> dict:
+    """Wan components at a published shape (:mod:`pipelines.shapes`), random, built on ``device`` in ``dtype``: the
+    transformer and the causal 3-D VAE at their published configs and a 2-layer UMT5 of the real width (4096),
+    padded to ``max_sequence_length`` tokens."""
+    from diffusers import AutoencoderKLWan, WanTransformer3DModel
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    tokenizer = build_tiny_t5_tokenizer(max_length=shape.max_sequence_length)
+    with building(device, dtype, seed):
+        transformer = WanTransformer3DModel(**shape.transformer)
+        vae = AutoencoderKLWan(**plain(shape.vae))
+        text_encoder = UMT5EncoderModel(UMT5Config(vocab_size=len(tokenizer), **t5_config(TINY_UMT5, shape.text_widths["umt5"])))
+    return {"transformer": transformer, "vae": vae, "text_encoder": text_encoder, "tokenizer": tokenizer, "scheduler": dict(WAN_SCHEDULER_CONFIG)}
+
+
 def load_wan_components(path: str | Path) -> dict:
     """Components of a local Wan2.1 diffusers folder (``local_files_only``: nothing is downloaded)."""
     from transformers import UMT5EncoderModel
@@ -127,6 +143,8 @@ class WanAdapter(LatentFlowFamily):
             or ``shift`` (FlowMatchEuler), else 3.0.
         cfg_mode: how a guided ``predict`` runs its two branches (``split`` | ``batched``, see
             :meth:`ModelAdapter.predict`).
+        shape: with no ``path``, ``tiny`` (the test configuration) or a published shape with random weights
+            (``wan21_14b``, ``wan21_1_3b``; ``full`` = ``wan21_14b``; :mod:`pipelines.shapes`).
     """
 
     family = "Wan"
@@ -139,11 +157,16 @@ class WanAdapter(LatentFlowFamily):
     def __init__(
         self, path: str | None = None, dtype: str = "float32", device: str = "cpu", seed: int = 0, num_frames: int = 5,
         decode_chunk: int = 4, drop_text_encoders: bool = False, max_sequence_length: int = 512, negative_prompt: str = "",
-        flow_shift: float | None = None, cfg_mode: str = "split",
+        flow_shift: float | None = None, cfg_mode: str = "split", shape: str = "tiny",
     ):
         torch_dtype(dtype)
         self.cfg_mode = check_cfg_mode(cfg_mode)
-        parts = build_tiny_wan_components(seed) if path is None else load_wan_components(path)
+        check_shape_path(shape, path)
+        spec = resolve_shape("wan", shape)
+        if path is not None:
+            parts = load_wan_components(path)
+        else:
+            parts = build_tiny_wan_components(seed) if spec is None else build_wan_components(seed, spec, device, dtype)
         self._setup(parts, dtype, device, decode_chunk, drop_text_encoders)
         self.num_frames = int(num_frames)
         if self.num_frames < 1 or (self.num_frames - 1) % self.vae_temporal_factor:

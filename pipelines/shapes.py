@@ -1,0 +1,157 @@
+"""Published model shapes with random weights, built directly on the target device in the target dtype.
+
+``model.options.shape`` picks what a family builds when ``model.path`` is null:
+
+* ``tiny`` (the default): the small random configuration of the tests.
+* a published shape by name (:data:`SHAPES`), or ``full`` for the family's flagship (:data:`FULL`): the
+  transformer and the VAE at their published diffusers configs, with random weights, so recipes, benchmarks
+  and tests run at real shape on any GPU without downloading anything. Real weights still come from
+  ``model.path``.
+
+Building happens under :func:`building`: ``torch.device(device)`` and the target default dtype, so a 20 B
+transformer is allocated once, on the GPU, in bf16 (no 80 GB fp32 detour through host memory), and on
+``device="meta"`` it allocates nothing at all (parameter counts, FLOP counting).
+
+The text encoders of a published shape are 2-layer random encoders of the family's classes (CLIP, T5,
+UMT5, Qwen2.5-VL) whose output width and token counts are the real ones (CLIP-L 768, CLIP-G 1280,
+T5/UMT5 4096, Qwen2.5-VL 3584; T5 padded to the family's ``max_sequence_length``), so the transformer sees
+conditionings of the real shape. They run once per prompt (the embeddings are cached, and the encoders can
+be dropped: ``drop_text_encoders``), so their depth does not enter rollout or training; a real run loads
+the real encoders from ``model.path``.
+
+Transformer parameters (counted on ``meta``, ``tests/test_shapes.py``): Qwen-Image 20.43 B, Wan2.1-T2V-14B
+14.29 B, FLUX.1-dev 11.90 B, SD3.5-Large 8.06 B, SD3.5-Medium 2.24 B, Wan2.1-T2V-1.3B 1.42 B.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+
+
+# AutoencoderKL of SD3 / SD3.5 and FLUX.1 (diffusers' vae/config.json of both): factor 8, 16 channels
+SD3_FLUX_VAE = dict(
+    in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+    block_out_channels=(128, 256, 512, 512), layers_per_block=2, latent_channels=16, norm_num_groups=32, sample_size=1024,
+    use_quant_conv=False, use_post_quant_conv=False,
+)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A published model: the family, the transformer's and the VAE's diffusers configs, the widths of the
+    text encoders' outputs and the T5-style sequence length the family's pipeline pads to."""
+
+    name: str
+    family: str
+    transformer: dict
+    vae: dict
+    text_widths: dict = field(default_factory=dict)
+    max_sequence_length: int = 512
+    params_billion: float = 0.0
+    source: str = ""
+
+
+SHAPES: dict[str, Shape] = {
+    "sd35_medium": Shape(
+        "sd35_medium", "sd3",
+        dict(sample_size=128, patch_size=2, in_channels=16, out_channels=16, num_layers=24, attention_head_dim=64, num_attention_heads=24,
+             joint_attention_dim=4096, caption_projection_dim=1536, pooled_projection_dim=2048, pos_embed_max_size=384,
+             dual_attention_layers=tuple(range(13)), qk_norm="rms_norm"),
+        SD3_FLUX_VAE, {"clip_l": 768, "clip_g": 1280, "t5": 4096}, 256, 2.24, "stabilityai/stable-diffusion-3.5-medium transformer/config.json",
+    ),
+    "sd35_large": Shape(
+        "sd35_large", "sd3",
+        dict(sample_size=128, patch_size=2, in_channels=16, out_channels=16, num_layers=38, attention_head_dim=64, num_attention_heads=38,
+             joint_attention_dim=4096, caption_projection_dim=2432, pooled_projection_dim=2048, pos_embed_max_size=192, qk_norm="rms_norm"),
+        SD3_FLUX_VAE, {"clip_l": 768, "clip_g": 1280, "t5": 4096}, 256, 8.06, "stabilityai/stable-diffusion-3.5-large transformer/config.json",
+    ),
+    "flux_dev": Shape(
+        "flux_dev", "flux",
+        dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128, num_attention_heads=24,
+             joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True, axes_dims_rope=(16, 56, 56)),
+        SD3_FLUX_VAE, {"clip_l": 768, "t5": 4096}, 512, 11.90, "black-forest-labs/FLUX.1-dev transformer/config.json",
+    ),
+    "qwen_image": Shape(
+        "qwen_image", "qwen_image",
+        dict(patch_size=2, in_channels=64, out_channels=16, num_layers=60, attention_head_dim=128, num_attention_heads=24,
+             joint_attention_dim=3584, axes_dims_rope=(16, 56, 56)),
+        dict(base_dim=96, z_dim=16, dim_mult=(1, 2, 4, 4), num_res_blocks=2, attn_scales=(), temperal_downsample=(False, True, True)),
+        {"qwen2_5_vl": 3584}, 512, 20.43, "Qwen/Qwen-Image transformer/config.json, vae/config.json",
+    ),
+    "wan21_14b": Shape(
+        "wan21_14b", "wan",
+        dict(patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128, in_channels=16, out_channels=16, text_dim=4096,
+             freq_dim=256, ffn_dim=13824, num_layers=40, cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024),
+        dict(base_dim=96, z_dim=16, dim_mult=(1, 2, 4, 4), num_res_blocks=2, attn_scales=(), temperal_downsample=(False, True, True)),
+        {"umt5": 4096}, 512, 14.29, "Wan-AI/Wan2.1-T2V-14B-Diffusers transformer/config.json, vae/config.json",
+    ),
+    "wan21_1_3b": Shape(
+        "wan21_1_3b", "wan",
+        dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16, out_channels=16, text_dim=4096,
+             freq_dim=256, ffn_dim=8960, num_layers=30, cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024),
+        dict(base_dim=96, z_dim=16, dim_mult=(1, 2, 4, 4), num_res_blocks=2, attn_scales=(), temperal_downsample=(False, True, True)),
+        {"umt5": 4096}, 512, 1.42, "Wan-AI/Wan2.1-T2V-1.3B-Diffusers transformer/config.json, vae/config.json",
+    ),
+}
+# ``shape=full``: each family's flagship
+FULL = {"sd3": "sd35_large", "flux": "flux_dev", "qwen_image": "qwen_image", "wan": "wan21_14b"}
+
+
+def shape_names(family: str) -> list[str]:
+    """The values ``model.options.shape`` takes for ``family``."""
+    return ["tiny", *(["full"] if family in FULL else []), *sorted(n for n, s in SHAPES.items() if s.family == family)]
+
+
+def resolve_shape(family: str, shape: str) -> Shape | None:
+    """The published shape ``shape`` of ``family`` (None for ``tiny``); a one-line error names the valid ones."""
+    if shape == "tiny":
+        return None
+    name = FULL.get(family) if shape == "full" else shape
+    found = SHAPES.get(name or "")
+    if found is None or found.family != family:
+        raise ValueError(f"model family {family!r} has no shape {shape!r}; its shapes are {shape_names(family)} (model.options.shape=…)")
+    return found
+
+
+def check_shape_path(shape: str, path) -> None:
+    """A published shape builds random weights: refuse it next to ``model.path`` (which would be ignored)."""
+    if shape != "tiny" and path is not None:
+        raise ValueError(f"model.options.shape={shape} builds random weights at a published shape and model.path={path} loads real ones; give one of them")
+
+
+def plain(config: dict) -> dict:
+    """A config with tuples as lists (the diffusers VAE classes take lists)."""
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in config.items()}
+
+
+@contextlib.contextmanager
+def building(device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32", seed: int | None = None):
+    """Construct modules directly on ``device`` in ``dtype`` (torch's device context and default dtype), with the
+    global RNG seeded by ``seed`` and restored afterwards (CUDA's too when building there)."""
+    dtype_ = dtype if isinstance(dtype, torch.dtype) else {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    previous = torch.get_default_dtype()
+    on_cuda = torch.device(device).type == "cuda"
+    with torch.random.fork_rng(devices=[torch.device(device)] if on_cuda else []), torch.device(device):
+        if seed is not None:
+            torch.manual_seed(seed)
+        torch.set_default_dtype(dtype_)
+        try:
+            yield
+        finally:
+            torch.set_default_dtype(previous)
+
+
+def clip_config(base: dict, width: int) -> dict:
+    """A CLIP text config of ``base`` widened to hidden size and projection ``width`` (heads of 64)."""
+    return dict(base, hidden_size=width, projection_dim=width, intermediate_size=width, num_attention_heads=max(1, width // 64))
+
+
+def t5_config(base: dict, width: int) -> dict:
+    """A T5/UMT5 encoder config of ``base`` with model width ``width`` (8 heads of 64, feed-forward 1024)."""
+    return dict(base, d_model=width, d_kv=64, num_heads=8, d_ff=1024)
+
+
+__all__ = ["FULL", "SHAPES", "SD3_FLUX_VAE", "Shape", "building", "check_shape_path", "clip_config", "plain", "resolve_shape", "shape_names", "t5_config"]

@@ -1,0 +1,190 @@
+"""Real-scale construction and activation memory (issue 16).
+
+* Published shapes (``model.options.shape``) build on ``meta`` with the published parameter counts, in the
+  target dtype, leaving torch's default dtype and RNG as they were; ``full`` picks each family's flagship; a
+  wrong shape or a shape next to ``model.path`` is one clear error, before anything is built.
+* The text encoders of a published shape give conditionings of the real widths and token counts (checked
+  with the published text widths over a transformer narrowed to run on a CPU).
+* Activation checkpointing per block (``model.checkpoint_every``): the gradients equal those without it bit for
+  bit; FLOPs executed grow by the recompute and saved activations shrink, both ordered by the granularity;
+  copies of a checkpointed module run with their own weights.
+* ``model.compile_scope=blocks`` trains exactly like the eager module (aot_eager on a CPU).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from diffrl import recipes
+from diffrl.config import LoraConfig, ModelConfig, OptimConfig, SamplerConfig
+from diffrl.engine.engine import DiffusionEngine
+from diffrl.engine.memory import checkpointed_count
+from pipelines import build_adapter
+from pipelines.shapes import FULL, SHAPES, resolve_shape, shape_names
+from pipelines.tiny import TINY_VAE
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_published_shape_builds_on_meta_at_its_size(name):
+    shape = SHAPES[name]
+    rng = torch.random.get_rng_state()
+    adapter = build_adapter(shape.family, shape=name, device="meta", dtype="bfloat16")
+    params = [p for p in adapter.denoiser.parameters()]
+    count = sum(p.numel() for p in params) / 1e9
+    assert count == pytest.approx(shape.params_billion, rel=5e-3)
+    assert {p.device.type for p in params} == {"meta"} and {p.dtype for p in params} == {torch.bfloat16}
+    assert torch.get_default_dtype() == torch.float32
+    assert torch.equal(torch.random.get_rng_state(), rng)
+
+
+def test_full_is_each_familys_flagship_and_bad_shapes_are_one_line_errors():
+    assert {f: resolve_shape(f, "full").name for f in FULL} == {"sd3": "sd35_large", "flux": "flux_dev", "qwen_image": "qwen_image", "wan": "wan21_14b"}
+    assert resolve_shape("sd3", "tiny") is None
+    with pytest.raises(ValueError, match=r"model family 'sd3' has no shape 'flux_dev'; its shapes are \['tiny', 'full', 'sd35_large', 'sd35_medium'\]"):
+        build_adapter("sd3", shape="flux_dev", device="meta")
+    with pytest.raises(ValueError, match="give one of them"):
+        build_adapter("qwen_image", shape="full", path="/nonexistent", device="meta")
+    assert shape_names("digits") == ["tiny"]
+
+
+def test_validate_rejects_a_bad_shape_before_building():
+    cfg = recipes.compose(["experiment=sd3_tiny_flow_grpo", "+model.options.shape=sd35_huge"])
+    with pytest.raises(recipes.ConfigError, match="has no shape 'sd35_huge'"):
+        recipes.validate(cfg)
+    cfg = recipes.compose(["experiment=sd3_tiny_flow_grpo", "+model.options.shape=full", "model.checkpoint_every=0"])
+    with pytest.raises(recipes.ConfigError, match="checkpoint_every"):
+        recipes.validate(cfg)
+
+
+# the published text widths and token counts over a transformer narrowed to run on a CPU (joint widths kept)
+NARROW = {
+    "sd35_medium": dict(num_layers=1, num_attention_heads=2, attention_head_dim=16, caption_projection_dim=32, dual_attention_layers=(), pos_embed_max_size=16, sample_size=16),
+    "flux_dev": dict(num_layers=1, num_single_layers=1, num_attention_heads=2, attention_head_dim=64, axes_dims_rope=(16, 24, 24)),
+    "qwen_image": dict(num_layers=1, num_attention_heads=2, attention_head_dim=64, axes_dims_rope=(16, 24, 24)),
+    "wan21_1_3b": dict(num_layers=1, num_attention_heads=2, attention_head_dim=16, ffn_dim=32, freq_dim=32),
+}
+SMALL_VAE = {
+    "sd35_medium": dict(TINY_VAE, latent_channels=16), "flux_dev": dict(TINY_VAE, latent_channels=16),
+    "qwen_image": dict(base_dim=8, z_dim=16, dim_mult=(1, 2), num_res_blocks=1, attn_scales=(), temperal_downsample=(False,)),
+    "wan21_1_3b": dict(base_dim=4, z_dim=16, dim_mult=(1, 1, 1, 1), num_res_blocks=1, temperal_downsample=(False, True, True)),
+}
+# (prompt tokens the transformer sees, text width, pooled width): SD3 77 CLIP + 256 T5, FLUX/Wan T5 padded to 512
+EXPECTED = {"sd35_medium": (333, 4096, 2048), "flux_dev": (512, 4096, 768), "qwen_image": (None, 3584, None), "wan21_1_3b": (512, 4096, None)}
+
+
+@pytest.mark.parametrize("name", sorted(NARROW))
+def test_published_text_encoders_give_real_width_conditionings(name, monkeypatch):
+    shape = SHAPES[name]
+    narrowed = dataclasses.replace(shape, name="narrow", transformer={**shape.transformer, **NARROW[name]}, vae=SMALL_VAE[name])
+    monkeypatch.setitem(SHAPES, "narrow", narrowed)
+    options = {"num_frames": 5} if shape.family == "wan" else {}
+    adapter = build_adapter(shape.family, shape="narrow", **options)
+    adapter.cache_prompts(["a red fox"])
+    cond = adapter.encode_prompts(["a red fox"])
+    tokens, width, pooled = EXPECTED[name]
+    assert cond["prompt_embeds"].shape[-1] == width
+    if tokens is not None:
+        assert cond["prompt_embeds"].shape[1] == tokens
+    else:  # Qwen-Image: stored padded to max_sequence_length, the valid tokens marked
+        assert cond["prompt_embeds"].shape[1] == 512 and 0 < int(cond["prompt_embeds_mask"].sum()) < 512
+    if pooled is not None:
+        assert cond["pooled_prompt_embeds"].shape[-1] == pooled
+    size = 32 if shape.family != "wan" else 16
+    x = torch.randn(1, *adapter.latent_shape(size, size))
+    out = adapter.predict(x, torch.tensor([0.7]), cond, 1.0 if shape.family == "flux" else 2.0)
+    assert out.shape == x.shape and torch.isfinite(out).all()
+
+
+# -- activation checkpointing -----------------------------------------------------------------------
+def _engine(checkpointing: bool, every: int = 1, compile_scope: str | None = None) -> DiffusionEngine:
+    adapter = build_adapter("sd3", seed=0)
+    model = ModelConfig(family="sd3", lora=LoraConfig(rank=4, alpha=8.0), activation_checkpointing=checkpointing, checkpoint_every=every,
+                        compile=compile_scope is not None, compile_backend="aot_eager", compile_scope=compile_scope or "model")
+    engine = DiffusionEngine(adapter, model=model, optim=OptimConfig(lr=1e-2), sampler=SamplerConfig(guidance_scale=3.0, height=32, width=32), seed=0)
+    engine.initialize()
+    with torch.no_grad():
+        for i, (n, p) in enumerate(sorted(engine.module.named_parameters())):
+            if "lora_B" in n:
+                p.copy_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(i)))
+    return engine
+
+
+def _loss(engine):
+    adapter = engine.adapter
+    adapter.cache_prompts(["a cat", "a dog"])
+    cond = adapter.encode_prompts(["a cat", "a dog"])
+    x = torch.randn(2, *adapter.latent_shape(32, 32), generator=torch.Generator().manual_seed(1))
+    engine.module.train()
+    return adapter.predict(x, torch.tensor([0.8, 0.5]), cond, 3.0).square().mean()
+
+
+def _measure(engine):
+    """(gradients, FLOPs executed by forward + backward, bytes of tensors saved for the backward)."""
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel() * t.element_size())
+        return t
+
+    fc = FlopCounterMode(display=False)
+    with fc, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        _loss(engine).backward()
+    grads = {n: p.grad.clone() for n, p in engine.module.named_parameters() if p.grad is not None}
+    engine.optimizer.zero_grad(set_to_none=True)
+    return grads, fc.get_total_flops(), sum(saved)
+
+
+def test_checkpointing_keeps_gradients_and_trades_recompute_for_memory():
+    plain_grads, plain_flops, plain_saved = _measure(_engine(False))
+    runs = {every: _measure(_engine(True, every)) for every in (1, 2)}
+    n_blocks = len(build_adapter("sd3").fsdp_blocks())
+    assert n_blocks == 2
+    for every, (grads, flops, saved) in runs.items():
+        assert grads.keys() == plain_grads.keys() and len(grads) > 0
+        for name, g in grads.items():
+            assert torch.equal(g, plain_grads[name]), name
+    (_, flops1, saved1), (_, flops2, saved2) = runs[1], runs[2]
+    assert plain_flops < flops2 < flops1  # every block recomputed costs more than every other block
+    assert saved1 < saved2 < plain_saved
+    # the recompute is one more forward of the checkpointed blocks: every=1 recomputes both, every=2 the first
+    assert flops1 - plain_flops > flops2 - plain_flops > 0
+
+
+def test_checkpointed_blocks_are_counted_and_copies_keep_their_own_weights():
+    engine = _engine(True, 1)
+    module = engine.module
+    assert checkpointed_count(module) == 2
+    twin = copy.deepcopy(module)
+    assert checkpointed_count(twin) == 2
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.mul_(0.5)
+    x = torch.randn(1, 4, 16, 16)
+    kwargs = dict(timestep=torch.tensor([500.0]), encoder_hidden_states=torch.randn(1, 5, 80), pooled_projections=torch.randn(1, 64), return_dict=False)
+    module.train(), twin.train()
+    a, b = module(hidden_states=x, **kwargs)[0], twin(hidden_states=x, **kwargs)[0]
+    assert not torch.allclose(a, b)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.mul_(2.0)
+    assert torch.equal(twin(hidden_states=x, **kwargs)[0], a)
+
+
+def test_blocks_compile_scope_trains_like_eager():
+    eager, compiled = _engine(True, 1), _engine(True, 1, compile_scope="blocks")
+    assert all(getattr(b, "_compiled_call_impl", None) is not None for b in compiled.adapter.fsdp_blocks())
+    assert getattr(compiled.module, "_compiled_call_impl", None) is None
+    for engine in (eager, compiled):
+        loss = _loss(engine)
+        loss.backward()
+        engine.optimizer.step()
+    for (n, p), (n2, q) in zip(eager.module.named_parameters(), compiled.module.named_parameters()):
+        assert n == n2
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
