@@ -58,7 +58,7 @@ def _evals(run: Path) -> tuple[dict, dict]:
 
 def test_eval_reproduces_the_trainers_evaluations(run, tmp_path):
     step0, step1 = _evals(run)
-    keys = ("eval/digits", "eval/digits_gold")
+    keys = ("eval/digits", "eval/digits_gold", "eval/digits_gold2")  # the second judge (reward.judges) too
     assert step1["eval/digits"] != step0["eval/digits"]  # the checkpoint differs from the base model
 
     # the base model at the recipe's eval settings = the trainer's step-0 numbers, exactly

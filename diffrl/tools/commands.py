@@ -231,13 +231,14 @@ def build_workers(source: ModelSource):
 
 
 def build_metrics(cfg, names: list[str] | None = None) -> dict:
-    """``name -> reward`` exactly as the trainer's ``eval_metrics``: ``reward.names`` then ``reward.gold``."""
+    """``name -> reward`` exactly as the trainer's ``eval_metrics``: ``reward.names``, ``reward.gold``, then the
+    second judges of ``reward.judges``."""
     from omegaconf import OmegaConf
 
 
     options = OmegaConf.to_container(cfg.reward.options, resolve=True)
     if names is None:
-        names = list(cfg.reward.names) + ([cfg.reward.gold] if cfg.reward.gold else [])
+        names = list(cfg.reward.names) + ([cfg.reward.gold] if cfg.reward.gold else []) + list(cfg.reward.get("judges") or [])
     return {name: build_reward(name, **options.get(name, {})) for name in dict.fromkeys(names)}
 
 
