@@ -188,3 +188,31 @@ def test_blocks_compile_scope_trains_like_eager():
     for (n, p), (n2, q) in zip(eager.module.named_parameters(), compiled.module.named_parameters()):
         assert n == n2
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_scale_benchmark_counts_the_recompute_and_keeps_parity(tmp_path):
+    """``benchmarks/gpu_scale.py`` end to end at a tiny shape (the GPU runs' code path): the rollout and the first
+    update agree on every log-prob, and the executed FLOPs of a trajectory's CFG training step are, in units of
+    the CFG rollout step (two forwards F), the conditional forward, a backward computing activation gradients
+    only (between F and 2F) and the unconditional forward, plus the recompute of the checkpointed blocks (just
+    under one F)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from gpu_scale import main as scale
+
+    common = ["--shape", "tiny_sd3", "--variants", "eager", "--device", "cpu", "--batch", "4", "--group", "2", "--micro-batch", "2",
+              "--steps", "4", "--window-range", "0", "3", "--repeats", "1", "--e2e-iters", "1", "--rank", "4", "--alpha", "8", "--mlp"]
+    ratio = {}
+    for every in (0, 1):
+        out = scale([*common, "--ckpt-every", str(every), "--out", str(tmp_path / f"scale{every}.json")])
+        run = out["variants"]["eager"]
+        assert "error" not in run and run["logp_ok"] and run["max_abs_dlogp"] <= 1e-6
+        assert run["e2e_images_per_s"] > 0 and run["n_text_tokens"] > 0
+        f = out["flops"]
+        ratio[every] = f["train_step_flops_per_trajectory"] / f["rollout_step_flops_per_image"]
+    # per CFG rollout step 2F; a training step F (conditional) + B (backward, activations only: F ≤ B ≤ 2F) + F (unconditional)
+    assert 1.5 <= ratio[0] <= 2.0
+    # the recompute: the blocks' part of one conditional forward (the blocks are almost all of it)
+    assert 0.4 < ratio[1] - ratio[0] <= 0.5
