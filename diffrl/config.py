@@ -295,6 +295,9 @@ class TrainerConfig:
         "num_gpus_per_worker": at_least(0, integer=False), "num_cpus_per_worker": at_least(0, integer=False),
         "ray_rendezvous_timeout_s": positive(), "ray_call_timeout_s": positive(), "resume": one_of("never", "auto"), "max_restarts": at_least(0),
         "wandb": one_of("offline", "online", "disabled"),
+        "rollout_replicas": at_least(0, note="0: rollout on the actor ranks"), "max_staleness": at_least(0, note="0: synchronous"),
+        "weight_sync_bucket_mb": positive(), "weight_sync_backend": one_of("gloo", "nccl"),
+        "num_gpus_per_rollout": at_least(0, integer=False), "num_cpus_per_rollout": at_least(0, integer=False),
     }
     steps: int = 100
     """RL steps"""
@@ -350,3 +353,16 @@ class TrainerConfig:
     """wandb entity (team or user; null: the account's default)"""
     wandb_run_name: Optional[str] = None
     """wandb run name (null: the run folder's name)"""
+    rollout_replicas: int = 0
+    """Ray: rollout replicas, each a Ray actor with its own model copy synced from the actor after every step (0: the actor ranks sample)"""
+    max_staleness: int = 0
+    """with rollout replicas: steps a trajectory's weights may lag the actor's (0: synchronous; k ≥ 1: rollouts run k steps ahead of training,
+    corrected by truncated importance weights, algorithm.rollout_is_cap)"""
+    weight_sync_bucket_mb: float = 64.0
+    """weight sync to the replicas: MiB per broadcast bucket"""
+    weight_sync_backend: Optional[str] = None
+    """weight sync: gloo | nccl (null: nccl when model.device is CUDA, else gloo; a replica on the actor's own GPU needs gloo)"""
+    num_gpus_per_rollout: float = 0.0
+    """Ray: GPUs per rollout replica (fractions share a GPU with the actor)"""
+    num_cpus_per_rollout: float = 1.0
+    """Ray: CPUs per rollout replica"""

@@ -7,7 +7,9 @@ permutation per pass over the prompt set), samples ``group_size`` trajectories p
 seeds (``diffrl.sampling.seeding``), scores them and hands them to the algorithm (``diffrl.algorithms``:
 the class registered under ``algorithm.trainer``), which turns rewards into its update. Evaluations
 (before the first step, every ``eval_every`` steps and after the last) sample fixed held-out seeds with the
-ODE and report the rewards and the gold metric.
+ODE and report the rewards and the gold metric. With ``trainer.rollout_replicas`` the training rollouts come
+from replicas beside the actor ranks (``diffrl.distributed.rollout``), synced after every step and sent up to
+``trainer.max_staleness`` steps ahead of the update (docs/scaling.md, "Rollout replicas").
 
 A run folder holds ``config.yaml``, ``metrics.jsonl`` (one line per step and per evaluation),
 ``images/eval_step_<N>.png`` and ``.jsonl`` (grid and per-sample scores), ``checkpoints/step_<N>/``,
@@ -17,6 +19,7 @@ A run folder holds ``config.yaml``, ``metrics.jsonl`` (one line per step and per
 
 from __future__ import annotations
 
+import copy
 import errno
 import json
 import os
@@ -33,6 +36,7 @@ from diffrl import checkpoint
 from diffrl.algorithms import Algorithm, RunContext, build_algorithm
 from diffrl.data import read_prompt_file, step_prompts
 from diffrl.distributed import WorkerGroup, WorkerLostError, build_worker_group
+from diffrl.distributed.rollout import RolloutReplicas
 from diffrl.distributed.workers import ActorRolloutRefWorker, WorkerConfig
 from diffrl.logging import Progress, RunLogger
 from diffrl.recipes import Config, to_config, validate
@@ -106,6 +110,16 @@ def check_sizes(cfg: Config | DictConfig) -> None:
     if W > 1 and (batch // C) % W:
         valid = [d for d in range(1, t.prompts_per_step + 1) if t.prompts_per_step % d == 0 and (batch // d) % W == 0]
         raise ValueError(f"reward.async_chunks={C} gives chunks of {batch // C} rollouts, not divisible by trainer.num_workers={W}; valid: {valid}")
+    R, k = int(t.rollout_replicas), int(t.max_staleness)
+    if R and t.backend != "ray":
+        raise ValueError(f"trainer.rollout_replicas={R} needs trainer.backend=ray (each replica is a Ray actor beside the actor ranks)")
+    if k and not R:
+        raise ValueError(f"trainer.max_staleness={k} needs rollout replicas (trainer.rollout_replicas ≥ 1): rollouts on the actor ranks cannot run ahead of training")
+    if R and (batch // C) % R:
+        valid = [d for d in range(1, batch // C + 1) if (batch // C) % d == 0]
+        raise ValueError(f"trainer.rollout_replicas={R} must divide the {batch // C} rollouts of a request (prompts_per_step × group_size / reward.async_chunks); valid: {valid}")
+    if k and C > 1:
+        raise ValueError(f"reward.async_chunks={C} with trainer.max_staleness={k}: off-policy rollouts already overlap rewards with sampling; set reward.async_chunks=1")
 
 
 def run_context(cfg: Config) -> RunContext:
@@ -153,6 +167,14 @@ class Trainer:
         run = run_context(cfg)
         self.algorithm = build_algorithm(cfg.algorithm, run)
         self.algorithm.validate(int(t.num_workers))
+        objective = self.algorithm.objective()
+        if t.max_staleness and not getattr(objective, "rollout_correction", False):
+            used = " ".join(filter(None, [self.algorithm.name, getattr(objective, "loss_name", None)]))
+            raise ValueError(f"trainer.max_staleness={t.max_staleness} needs a loss that corrects off-policy rollouts (algorithm.trainer=policy_gradient "
+                             f"with algorithm.loss=flow_grpo or ddpo), not {used}; set trainer.max_staleness=0")
+        if t.rollout_replicas and cfg.model.lora.rank == 0 and self.algorithm.needs_old_policy:
+            raise ValueError(f"trainer.rollout_replicas={t.rollout_replicas} with full fine-tuning (model.lora.rank=0) cannot sync {self.algorithm.name}'s "
+                             "old policy (a frozen copy on the actor); train a LoRA or set trainer.rollout_replicas=0")
         self.resume_path, self.damaged, self.notices = None, [], []
         self.restart_from_scratch = False
         metrics = self.output_dir / "metrics.jsonl"
@@ -181,15 +203,32 @@ class Trainer:
 
     def _build_workers(self) -> None:
         t = self.cfg.trainer
+        config = worker_config(self.cfg, self.algorithm)
         self.workers: WorkerGroup = build_worker_group(
-            ActorRolloutRefWorker, worker_config(self.cfg, self.algorithm), backend=t.backend, num_workers=t.num_workers,
+            ActorRolloutRefWorker, config, backend=t.backend, num_workers=t.num_workers,
             **({"num_cpus_per_worker": t.num_cpus_per_worker, "num_gpus_per_worker": t.num_gpus_per_worker, "threads": t.threads, "address": t.ray_address,
                 "rendezvous_timeout_s": t.ray_rendezvous_timeout_s, "call_timeout_s": t.ray_call_timeout_s} if t.backend == "ray" else {}),
         )
         self.workers.init_model()
+        self.replicas: RolloutReplicas | None = None
+        if t.rollout_replicas:
+            try:
+                self.replicas = RolloutReplicas(
+                    config, self.workers, replicas=int(t.rollout_replicas), bucket_bytes=int(t.weight_sync_bucket_mb * 2**20), backend=t.weight_sync_backend,
+                    num_cpus=t.num_cpus_per_rollout, num_gpus=t.num_gpus_per_rollout, threads=t.threads, rendezvous_timeout_s=t.ray_rendezvous_timeout_s,
+                    call_timeout_s=t.ray_call_timeout_s,
+                )
+            except BaseException:
+                self.workers.shutdown()
+                raise
         self.workers.set_loss_fn(self.algorithm.objective())
         self.flops = self.workers.flops_counter(t.peak_flops)
         self.algorithm.setup(self.workers)
+
+    def _shutdown_workers(self) -> None:
+        if self.replicas is not None:
+            self.replicas.shutdown()
+        self.workers.shutdown()
 
     def _pick_checkpoint(self, resume: bool | None = None) -> tuple[Path, list[tuple[Path, str]]]:
         """The newest whole checkpoint of the run folder and the damaged ones newer than it (with why).
@@ -245,7 +284,7 @@ class Trainer:
         td["prompts"] = NonTensorStack(*[p for p in prompts for _ in range(G)])
         if self.cfg.sampler.same_initial_noise:
             td["init_seeds"] = torch.tensor([derive(t.seed, Stream.INITIAL_NOISE, step, j) for j in range(len(prompts)) for _ in range(G)])
-        plan = self.algorithm.rollout_plan(self.window.masks(step))
+        plan = self.algorithm.rollout_plan(self._window_masks(step))
         td.set_non_tensor("policy", plan.policy)
         td.set_non_tensor("sde_mask", plan.trained)
         td.set_non_tensor("stochastic_mask", plan.stochastic)
@@ -254,6 +293,16 @@ class Trainer:
         if self.cfg.sampler.micro_batch_size:
             td.set_non_tensor("micro_batch_size", int(self.cfg.sampler.micro_batch_size))
         return td
+
+    def _window_masks(self, step: int):
+        """The training window's masks of RL step ``step``; a step ahead of the window (an off-policy rollout
+        sent early) gets them from a copy advanced to it (the window moves deterministically)."""
+        window = self.window
+        if step > window.count:
+            window = copy.deepcopy(window)
+            for _ in range(step - window.count):
+                window.advance()
+        return window.masks(step)
 
     def evaluate(self, step: int) -> dict:
         """Deterministic samples of the held-out (prompt, seed) pairs, scored by every eval metric."""
@@ -295,7 +344,7 @@ class Trainer:
                     raise RunStopped(f"{exc}; the run stopped ({why}) — continue with trainer.resume=auto, or set trainer.max_restarts to restart lost workers") from None
                 restarts += 1
                 self.notices = [f"{exc}; restarting the workers from {found[-1].name} (restart {restarts} of {t.max_restarts})"]
-                self.workers.shutdown()
+                self._shutdown_workers()
                 self._build_workers()
                 self.resume_path, self.damaged = self._pick_checkpoint(resume=True)
             except OSError as exc:
@@ -353,6 +402,10 @@ class Trainer:
                 progress.write(f"resumed from {self.resume_path} at step {start_step}")
                 if last_eval is None:
                     last_eval = self._evaluate_or_stop(start_step, wall_start, progress)
+            self._rollout_queue, self._next_rollout, self._initial_sync = {}, start_step, None
+            if self.replicas is not None:  # the replicas start from the actor's weights (a resume's included)
+                self.replicas.discard()
+                self._initial_sync = self.replicas.sync(start_step)
             for step in range(start_step, t.steps):
                 try:
                     record = self.train_step(step)
@@ -384,8 +437,8 @@ class Trainer:
         return summary
 
     def close(self) -> None:
-        """Release the workers (Ray actors)."""
-        self.workers.shutdown()
+        """Release the workers (Ray actors) and the rollout replicas."""
+        self._shutdown_workers()
 
     def _resume(self) -> tuple[int, dict, dict]:
         """Load the newest complete checkpoint and cut ``metrics.jsonl`` back to its step.
@@ -430,17 +483,27 @@ class Trainer:
         record = {"step": step + 1, "kind": "train"}
         traj = scores = None
         if self.algorithm.needs_rollout(step):
-            traj, scores = self.rollout_and_score(step, times)
+            if self.replicas is not None and self.cfg.trainer.max_staleness:
+                traj, scores = self.off_policy_rollout(step, times)
+            else:
+                traj, scores = self.rollout_and_score(step, times)
             rewards = scores["rewards"]
             record.update(reward_mean=rewards.mean().item(), reward_std=rewards.std(unbiased=False).item())
             for key, value in scores.items():
                 if key.startswith("reward/"):
                     record[f"{key}_mean"] = value.mean().item()
+            if self.replicas is not None:
+                record.update(self.behaviour_versions(traj, step, times))
         start = time.perf_counter()
         result = self.algorithm.update(self.workers, traj, scores, step)
         self.workers.update_weights(step + 1)
         self.window.advance()
         times["time/train"] = time.perf_counter() - start
+        if self.replicas is not None:  # the replicas get version step + 1 (after the requests already sent to them)
+            record.update(self.replicas.sync(step + 1))
+            if self._initial_sync:
+                record.update({f"weight_sync/initial_{k.split('/')[-1]}": v for k, v in self._initial_sync.items() if k.startswith("weight_sync/hash")})
+                self._initial_sync = None
         record.update(result.record)
         for key, values in result.metrics.items():
             if isinstance(values, list) and values and isinstance(values[0], (int, float)):
@@ -472,9 +535,10 @@ class Trainer:
             result = score(self.rewards, images, prompts, metadata)
             return result, time.perf_counter() - begin
 
+        generate = self.replicas.generate_sequences if self.replicas is not None else self.workers.generate_sequences
         if chunks == 1:
             start = time.perf_counter()
-            traj = self.workers.generate_sequences(request)
+            traj = generate(request)
             times["time/rollout"] = time.perf_counter() - start
             scores, times["time/reward"] = timed_score(traj["images"], list(traj.get("prompts").tolist()))
             return traj, scores
@@ -486,7 +550,7 @@ class Trainer:
             try:
                 for c in range(chunks):
                     start = time.perf_counter()
-                    part = self.workers.generate_sequences(request[c * size : (c + 1) * size])
+                    part = generate(request[c * size : (c + 1) * size])
                     sampling += time.perf_counter() - start
                     parts.append(part)
                     futures.append(pool.submit(timed_score, part["images"], list(part.get("prompts").tolist())))
@@ -503,20 +567,64 @@ class Trainer:
         scores = {key: torch.cat([r[key] for r, _ in results]) for key in results[0][0]}
         return traj, scores
 
+    def off_policy_rollout(self, step: int, times: dict) -> tuple[TensorDict, dict[str, torch.Tensor]]:
+        """Step ``step``'s trajectories from the queue of requests running ahead on the replicas, scored.
+
+        Requests for steps up to ``step + trainer.max_staleness`` are sent (each replica runs them in order,
+        with the weights it holds when it reaches them: the sync after step ``s`` reaches a replica after the
+        requests sent before it). So step ``s + k``'s request, sent at step ``s``, is sampled with the weights
+        of version ``s`` while the actor trains step ``s``: staleness ``k`` in the steady state (``j < k`` for
+        the first steps ``j``). Sets ``time/rollout`` (the replicas' sampling), ``time/rollout_wait`` (the
+        driver waiting for it) and ``time/reward``.
+        """
+        t = self.cfg.trainer
+        while self._next_rollout <= min(step + int(t.max_staleness), t.steps - 1):
+            if self.algorithm.needs_rollout(self._next_rollout):
+                self._rollout_queue[self._next_rollout] = self.replicas.submit(self.rollout_request(self._next_rollout))
+            self._next_rollout += 1
+        start = time.perf_counter()
+        traj = self.replicas.collect(self._rollout_queue.pop(step))
+        times["time/rollout_wait"] = time.perf_counter() - start
+        times["time/rollout"] = float(traj.get_non_tensor("metrics")["rollout_seconds"])
+        start = time.perf_counter()
+        scores = score(self.rewards, traj["images"], list(traj.get("prompts").tolist()), {"step": step})
+        times["time/reward"] = time.perf_counter() - start
+        return traj, scores
+
+    def behaviour_versions(self, traj: TensorDict, step: int, times: dict) -> dict:
+        """Take the replicas' ``weights_version [B]`` off ``traj``; when older than the actor's weights (version
+        ``step``), mark the proximal policy of the loss's truncated importance weights
+        (``diffrl.algorithms.losses.make_step_loss``): an update of one optimizer step scores with the weights it
+        starts from, so its own forward is the proximal policy (``proximal_is_current``); several optimizer
+        steps need the actor's log-probs before the first one (``prox_log_probs``, one more forward pass).
+        Returns the record's ``weights_version`` (oldest row) and ``staleness``."""
+        versions = traj.pop("weights_version")
+        oldest = int(versions.min())
+        if oldest > step:
+            raise RuntimeError(f"step {step + 1}'s trajectories carry weights version {oldest}, newer than the actor's {step}")
+        if oldest < step and self.algorithm.optimizer_steps_per_rl_step() == 1:
+            traj["proximal_is_current"] = torch.ones(traj.shape[0], dtype=torch.bool)
+        elif oldest < step:
+            start = time.perf_counter()
+            traj["prox_log_probs"] = self.workers.infer_actor_batch(traj.exclude("metrics"))["log_probs"]
+            times["time/proximal"] = time.perf_counter() - start
+        return {"weights_version": oldest, "staleness": float(step - versions.float().mean())}
+
     def throughput(self, record: dict, times: dict) -> dict:
         """images/s per worker of the rollout and, where the device's peak is known, MFU of the rollout
         and training passes (analytic FLOPs of ``diffrl.engine.flops``; forward-only passes count 1/3 of a
         training pass)."""
         cfg, W = self.cfg, self.workers.world_size
+        R = self.replicas.replicas if self.replicas is not None else W  # the devices that sample
         s, t = cfg.sampler, cfg.trainer
         n = t.prompts_per_step * t.group_size
         out = {}
         if "time/rollout" in times:
-            out["perf/images_per_second_per_worker"] = n / times["time/rollout"] / W
+            out["perf/images_per_second_per_worker"] = n / times["time/rollout"] / R
         if self.flops is None:
             return out
         if "time/rollout" in times:
-            mfu = self.flops.mfu(self.flops.rollout_flops(n, s.num_steps, s.guidance_scale), times["time/rollout"], W)
+            mfu = self.flops.mfu(self.flops.rollout_flops(n, s.num_steps, s.guidance_scale), times["time/rollout"], R)
             if mfu is not None:
                 out["perf/mfu_rollout"] = mfu
         units, extra = self.algorithm.train_forwards(record, int(self.window.masks(0).trained.sum()))

@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-
 # AutoencoderKL of SD3 / SD3.5 and FLUX.1 (diffusers' vae/config.json of both): factor 8, 16 channels
 SD3_FLUX_VAE = dict(
     in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,

@@ -9,7 +9,8 @@ clean samples) and are called by their own training paths.
 
 from __future__ import annotations
 
-from typing import Callable
+import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -91,6 +92,28 @@ def _clipped_surrogate(log_ratio, advantages, clip_range, weight=None):
     return per_sample.mean(), ratio
 
 
+def truncated_is_weight(proximal_log_prob: torch.Tensor, behaviour_log_prob: torch.Tensor, cap: float) -> torch.Tensor:
+    """``[B]``: truncated importance weights of off-policy rollouts (rollout correction), no gradient.
+
+        w_i = min(exp(log π_prox,i − log μ_i), C)
+
+    ``μ`` is the behaviour policy (the weights the rollout replica sampled with, ``k`` updates old) and
+    ``π_prox`` the actor's weights when the update starts (decoupled PPO, Hilton et al. 2022, "Batch
+    size-invariance for policy optimization"; truncated IS as in Yao et al. 2025, "Your Efficient RL
+    Framework Secretly Brings You Off-Policy RL Training", verl's TIS). The PPO ratio is then taken against
+    ``π_prox``, and each sample's surrogate is multiplied by ``w_i``. Log-probs follow the per-step
+    convention of ``diffrl.sampling.sde`` (Gaussian log-density averaged over the non-batch dims).
+
+    Args:
+        proximal_log_prob, behaviour_log_prob: ``[B]``.
+        cap: ``C ≥ 1`` (``algorithm.rollout_is_cap``).
+    """
+    if not cap >= 1:
+        raise ValueError(f"rollout_is_cap must be ≥ 1, got {cap}")
+    log_w = (proximal_log_prob.float() - behaviour_log_prob.float()).detach()
+    return torch.exp(torch.clamp(log_w, max=math.log(cap)))
+
+
 def _with_step_kl(policy_loss, kl_beta, mean, ref_mean, std, dt, kl_dt_scale, needed_by):
     """``(policy_loss + β·mean KL, {"policy_loss", "kl"})`` with the step KL of :func:`step_kl` when β > 0."""
     if kl_beta <= 0:
@@ -123,6 +146,7 @@ def flow_grpo_loss(
     std: torch.Tensor | None = None,
     dt: torch.Tensor | None = None,
     kl_dt_scale: bool = False,
+    is_weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Flow-GRPO's per-step objective (Liu et al. 2025, eq. 8), PPO clipping (Schulman et al. 2017).
 
@@ -143,13 +167,15 @@ def flow_grpo_loss(
         kl_beta: β; with β > 0, ``mean``, ``ref_mean`` and ``std`` (``[B, …]``) are required.
         dt: ``[B]`` ``sigma − sigma_next`` (> 0); required with ``kl_dt_scale`` and ``kl_beta > 0``.
         kl_dt_scale: multiply the KL by ``Δt``.
+        is_weight: ``[B]`` per-sample weights of the surrogate (off-policy rollouts: :func:`truncated_is_weight`,
+            with ``old_log_prob`` then the proximal policy's); None: 1.
     Returns:
         ``(loss, metrics)``: metrics ``policy_loss``, ``kl``, ``approx_kl`` (½·mean (Δlog p)²),
         ``clipfrac`` (fraction with ``|ratio − 1| > ε``), ``ratio_mean``, ``ratio_std``.
     """
     advantages = advantages.float()
     log_ratio = log_prob.float() - old_log_prob.float()
-    policy_loss, ratio = _clipped_surrogate(log_ratio, advantages, clip_range)
+    policy_loss, ratio = _clipped_surrogate(log_ratio, advantages, clip_range, is_weight)
     loss, metrics = _with_step_kl(policy_loss, kl_beta, mean, ref_mean, std, dt, kl_dt_scale, "flow_grpo")
     metrics.update(_ratio_metrics(ratio, log_ratio, clip_range))
     return loss, metrics
@@ -408,16 +434,36 @@ def make_step_loss(name: str, **hyper):
     ``batch["advantages"]`` and, when the batch has them, ``dt = sigmas[:, k] − sigmas[:, k+1]``; for
     ``grpo_guard`` also the rollout step means ``batch["means"][:, k]`` (``[B, K, …]``, the ``mean`` of each
     rollout step). ``fn.needs_reference`` is true when ``kl_beta > 0``.
+
+    Off-policy rollouts (``trainer.max_staleness > 0``): when the batch holds ``prox_log_probs [B, K]`` (the
+    actor's log-probs of the stale trajectories at the start of the update), the ratio is taken against them
+    and each sample is weighted by ``truncated_is_weight(prox, behaviour, rollout_is_cap)``. When it holds
+    ``proximal_is_current [B]`` instead (an update of one optimizer step: every forward runs at the weights the
+    update starts from), the proximal log-probs are the step's own, detached (no second forward); metrics
+    ``rollout_is_weight_mean`` and ``rollout_is_truncated`` (fraction at the cap). ``fn.rollout_correction``
+    says whether the loss supports it (not ``grpo_guard``, whose RatioNorm needs the proximal step means).
     """
     loss = get_loss(name)
     if name not in STEP_LOSSES:
         raise ValueError(f"loss {name!r} is not a per-step policy-gradient loss; make_step_loss supports {STEP_LOSSES}")
+    rollout_is_cap = float(hyper.pop("rollout_is_cap", 2.0))
 
     def step_loss(step: dict, batch, k: int):
         keys = set(batch.keys())
         extra = {}
         if "sigmas" in keys:
             extra["dt"] = batch["sigmas"][:, k] - batch["sigmas"][:, k + 1]
+        if "prox_log_probs" in keys or "proximal_is_current" in keys:
+            if name == "grpo_guard":
+                raise ValueError("grpo_guard cannot train off-policy rollouts (its RatioNorm needs the proximal step means); use trainer.max_staleness=0")
+            prox = batch["prox_log_probs"][:, k] if "prox_log_probs" in keys else step["log_prob"].detach()
+            behaviour = batch["log_probs"][:, k]
+            weight = truncated_is_weight(prox, behaviour, rollout_is_cap).to(step["log_prob"].device)
+            value, metrics = loss(step["log_prob"], prox, batch["advantages"], mean=step["mean"], ref_mean=step.get("ref_mean"),
+                                  std=step["std"], is_weight=weight, **extra, **hyper)
+            metrics.update(rollout_is_weight_mean=weight.mean().item(),
+                           rollout_is_truncated=(weight >= rollout_is_cap * (1 - 1e-6)).float().mean().item())
+            return value, metrics
         if name == "grpo_guard":
             if "means" not in keys:
                 raise ValueError(
@@ -431,4 +477,5 @@ def make_step_loss(name: str, **hyper):
 
     step_loss.needs_reference = hyper.get("kl_beta", 0.0) > 0
     step_loss.loss_name = name
+    step_loss.rollout_correction = name != "grpo_guard"
     return step_loss

@@ -26,6 +26,7 @@ from diffrl.sampling.schedules import WindowMasks
 class PolicyGradientConfig(AlgorithmConfig):
     CHECKS: ClassVar[dict[str, Check]] = {
         "loss": one_of(*STEP_LOSSES), "clip_range": positive(), "adv_tracker_buffer": at_least(1), "adv_tracker_min_count": at_least(1),
+        "rollout_is_cap": at_least(1, integer=False),
     }
 
     loss: str = "flow_grpo"
@@ -46,6 +47,8 @@ class PolicyGradientConfig(AlgorithmConfig):
     """stat tracker: rewards kept per prompt"""
     adv_tracker_min_count: int = 16
     """stat tracker: rewards of a prompt needed before its own statistics are used"""
+    rollout_is_cap: float = 2.0
+    """off-policy rollouts (trainer.max_staleness > 0): cap C of the truncated importance weight min(π_prox/μ, C) of each stale sample"""
 
 
 class RewardAdvantages:
@@ -85,7 +88,7 @@ class PolicyGradient(Algorithm):
 
     def objective(self):
         a = self.config
-        hyper = {"clip_range": a.clip_range, "kl_beta": a.kl_beta, "kl_dt_scale": a.kl_dt_scale}
+        hyper = {"clip_range": a.clip_range, "kl_beta": a.kl_beta, "kl_dt_scale": a.kl_dt_scale, "rollout_is_cap": a.rollout_is_cap}
         if a.loss == "grpo_guard":
             hyper.update(ratio_norm=a.ratio_norm, grad_reweight=a.grad_reweight)
         return make_step_loss(a.loss, **hyper)

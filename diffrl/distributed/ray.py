@@ -45,8 +45,9 @@ class RankWorker:
         return host, _free_port(host)
 
     def setup(self, worker_cls: type, config, role: str, rank: int, world_size: int, master_addr: str, master_port: int,
-              backend: str | None, timeout_s: float | None) -> str:
-        self.backend = parallel.init_distributed(rank, world_size, master_addr, master_port, backend, timeout_s)
+              backend: str | None, timeout_s: float | None, process_group: bool = True) -> str | None:
+        if process_group:
+            self.backend = parallel.init_distributed(rank, world_size, master_addr, master_port, backend, timeout_s)
         self.worker = worker_cls(config, role=role)
         return self.backend
 
@@ -58,7 +59,8 @@ class RankWorker:
         return getattr(self.worker, method)(*args, **kwargs)
 
 
-def _node_plan(nodes: list[dict], num_workers: int, cpus: float, gpus: float, driver_ip: str) -> list[tuple[str, int]]:
+def _node_plan(nodes: list[dict], num_workers: int, cpus: float, gpus: float, driver_ip: str,
+               keys: tuple[str, str] = ("trainer.num_workers", "trainer.num_cpus_per_worker")) -> list[tuple[str, int]]:
     """``[(node ip, ranks)]``: ranks packed node by node (the driver's node first, then by address).
 
     Raises:
@@ -78,9 +80,9 @@ def _node_plan(nodes: list[dict], num_workers: int, cpus: float, gpus: float, dr
             left -= take
     if left > 0:
         raise RuntimeError(
-            f"the Ray cluster cannot hold trainer.num_workers={num_workers} ranks of {cpus:g} CPU and {gpus:g} GPU each: room for "
+            f"the Ray cluster cannot hold {keys[0]}={num_workers} ranks of {cpus:g} CPU and {gpus:g} GPU each: room for "
             f"{num_workers - left} ({'; '.join(described) or 'no alive node'}); {left} more rank(s) need "
-            f"{left * cpus:g} CPU{f' and {left * gpus:g} GPU' if gpus else ''} — add nodes or lower trainer.num_workers / trainer.num_cpus_per_worker"
+            f"{left * cpus:g} CPU{f' and {left * gpus:g} GPU' if gpus else ''} — add nodes or lower {keys[0]} / {keys[1]}"
         )
     return plan
 
@@ -100,17 +102,21 @@ class RayExecutor(Executor):
         rendezvous_timeout_s: seconds for placement and the process-group rendezvous.
         call_timeout_s: seconds a worker call may take (None: no limit).
         ray_init: further keyword arguments of ``ray.init`` when Ray is not running yet.
+        process_group: the ranks join one torch.distributed group (false: independent workers, e.g. rollout
+            replicas, each a world of one).
+        keys: the config keys of ``num_workers`` and of the CPUs per rank (named in errors).
     """
 
     def __init__(self, worker_cls: type, config, *, num_workers: int, role: str = "actor_rollout_ref", num_cpus_per_worker: float = 1,
                  num_gpus_per_worker: float = 0, threads: int | None = None, backend: str | None = None, address: str | None = None,
-                 rendezvous_timeout_s: float = 300.0, call_timeout_s: float | None = None, ray_init: dict | None = None):
+                 rendezvous_timeout_s: float = 300.0, call_timeout_s: float | None = None, ray_init: dict | None = None,
+                 process_group: bool = True, keys: tuple[str, str] = ("trainer.num_workers", "trainer.num_cpus_per_worker")):
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         if num_workers < 1:
-            raise ValueError(f"trainer.num_workers must be ≥ 1, got {num_workers}")
+            raise ValueError(f"{keys[0]} must be ≥ 1, got {num_workers}")
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
             env = {"env_vars": {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}}
@@ -121,7 +127,7 @@ class RayExecutor(Executor):
         bundle = {"CPU": float(num_cpus_per_worker), **({"GPU": float(num_gpus_per_worker)} if num_gpus_per_worker else {})}
         self.rank_nodes: list[str] = []
         try:
-            self.plan = _node_plan(ray.nodes(), num_workers, float(num_cpus_per_worker), float(num_gpus_per_worker), ray.util.get_node_ip_address())
+            self.plan = _node_plan(ray.nodes(), num_workers, float(num_cpus_per_worker), float(num_gpus_per_worker), ray.util.get_node_ip_address(), keys)
             for ip, count in self.plan:
                 pg = placement_group([{**bundle, f"node:{ip}": 0.001}] * count, strategy="STRICT_PACK")
                 self.placement_groups.append(pg)
@@ -135,8 +141,8 @@ class RayExecutor(Executor):
                     self.actors.append(ray.remote(RankWorker).options(**options).remote(threads))
                     self.rank_nodes.append(ip)
             self.master_addr, self.master_port = self._get([self.actors[0].node_address.remote()], "the rendezvous address", rendezvous_timeout_s)[0]
-            setups = [a.setup.remote(worker_cls, config, role, r, num_workers, self.master_addr, self.master_port, backend, rendezvous_timeout_s)
-                      for r, a in enumerate(self.actors)]
+            setups = [a.setup.remote(worker_cls, config, role, r, num_workers, self.master_addr, self.master_port, backend, rendezvous_timeout_s,
+                                     process_group) for r, a in enumerate(self.actors)]
             self._get(setups, "the process-group rendezvous", rendezvous_timeout_s)
         except BaseException:
             for a in self.actors:
@@ -170,8 +176,19 @@ class RayExecutor(Executor):
         return [results[i] for i in range(len(refs))]
 
     def call_all(self, method: str, args_per_rank: list[tuple], kwargs: dict) -> list:
-        refs = [a.execute.remote(method, args, kwargs) for a, args in zip(self.actors, args_per_rank)]
-        return self._get(refs, f"worker call {method}", self.call_timeout_s)
+        return self.collect(self.submit(method, args_per_rank, kwargs), f"worker call {method}")
+
+    def submit(self, method: str, args_per_rank: list[tuple], kwargs: dict) -> list:
+        """Start ``method`` on every rank without waiting: one Ray ref per rank (each actor runs its calls in order)."""
+        return [a.execute.remote(method, args, kwargs) for a, args in zip(self.actors, args_per_rank)]
+
+    def collect(self, refs: list, what: str) -> list:
+        """The results of :meth:`submit`'s refs, in rank order (errors name the rank and node)."""
+        return self._get(refs, what, self.call_timeout_s)
+
+    def node_address(self, rank: int = 0) -> tuple[str, int]:
+        """Rank ``rank``'s node address and a free port there (a rendezvous point of another group)."""
+        return self._get([self.actors[rank].node_address.remote()], f"the address of rank {rank}", self.call_timeout_s)[0]
 
     def shutdown(self) -> None:
         import ray

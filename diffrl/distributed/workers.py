@@ -19,8 +19,9 @@ from tensordict import NonTensorStack, TensorDict
 
 from diffrl import checkpoint
 from diffrl.config import ModelConfig, OptimConfig, SamplerConfig
+from diffrl.distributed import weight_sync
 from diffrl.distributed.controller import Dispatch, register
-from diffrl.engine import lora
+from diffrl.engine import lora, parallel
 from diffrl.engine.engine import DiffusionEngine
 from diffrl.engine.flops import counter_for_adapter
 from diffrl.sampling.evaluation import deterministic_settings
@@ -188,6 +189,7 @@ class ActorRolloutRefWorker(TrainingWorker):
         self._is_ref = role in ("ref", "actor_rollout_ref")
         self.engine = None
         self.weights_version = 0
+        self.sync_channel: weight_sync.WeightSyncChannel | None = None
 
     @register(Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
@@ -255,9 +257,32 @@ class ActorRolloutRefWorker(TrainingWorker):
 
         Colocated in one process the rollout samples with the actor's own module (LoRA included), so
         the sync is in place; the version counter records which update the rollout sees (reported with
-        every rollout as ``weights_version``).
+        every rollout as ``weights_version``). Rollout replicas (``diffrl.distributed.rollout``) get the
+        weights of this version afterwards through :meth:`send_weights`.
         """
         self.weights_version = global_steps if global_steps is not None else self.weights_version + 1
+
+    # -- weight sync to rollout replicas (diffrl.distributed.rollout) ------------------------------------
+    @register(Dispatch.ONE_TO_ALL)
+    def init_weight_sync(self, backend: str, host: str, port: int, world_size: int, timeout_s: float) -> None:
+        """Rank 0 joins the sync group as its sync rank 0 (the sender); other ranks only gather for it."""
+        if parallel.rank() == 0:
+            self.sync_channel = weight_sync.WeightSyncChannel(backend, host, port, 0, world_size, timeout_s)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def sync_adapters(self) -> list[str]:
+        """The LoRA adapters the replicas must hold (``default`` and, when the algorithm keeps one, ``old``)."""
+        return weight_sync.adapter_names(self.engine)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def send_weights(self, version: int, bucket_bytes: int) -> dict:
+        """Broadcast the trained weights to the replicas (``weight_sync.send_weights``; every rank gathers, rank 0 sends).
+
+        Returns rank 0's ``{"hash", "bytes", "buckets", "seconds", "hash_seconds", "digest", "version"}``."""
+        if version != self.weights_version:
+            raise RuntimeError(f"send_weights of version {version}, but this actor's weights are version {self.weights_version} (call update_weights first)")
+        stats = weight_sync.send_weights(self.engine, self.sync_channel, bucket_bytes)
+        return {**stats, "version": self.weights_version}
 
     @register(Dispatch.ONE_TO_ALL)
     def default_prompts(self) -> list[str] | None:
