@@ -121,6 +121,16 @@ def check_shape_path(shape: str, path) -> None:
         raise ValueError(f"model.options.shape={shape} builds random weights at a published shape and model.path={path} loads real ones; give one of them")
 
 
+def family_components(family: str, *, path, shape: str, seed: int, device: str, dtype: str, load, tiny, build) -> dict:
+    """A family's components: ``load(path)`` when ``model.path`` is given, else ``tiny(seed)`` for ``shape=tiny`` or
+    ``build(seed, Shape, device, dtype)`` for a published shape (checked first: one clear error names the valid ones)."""
+    check_shape_path(shape, path)
+    spec = resolve_shape(family, shape)
+    if path is not None:
+        return load(path)
+    return tiny(seed) if spec is None else build(seed, spec, device, dtype)
+
+
 def plain(config: dict) -> dict:
     """A config with tuples as lists (the diffusers VAE classes take lists)."""
     return {k: list(v) if isinstance(v, tuple) else v for k, v in config.items()}
@@ -153,4 +163,4 @@ def t5_config(base: dict, width: int) -> dict:
     return dict(base, d_model=width, d_kv=64, num_heads=8, d_ff=1024)
 
 
-__all__ = ["FULL", "SHAPES", "SD3_FLUX_VAE", "Shape", "building", "check_shape_path", "clip_config", "plain", "resolve_shape", "shape_names", "t5_config"]
+__all__ = ["FULL", "SHAPES", "SD3_FLUX_VAE", "Shape", "building", "check_shape_path", "clip_config", "family_components", "plain", "resolve_shape", "shape_names", "t5_config"]

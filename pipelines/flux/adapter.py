@@ -32,7 +32,7 @@ from pipelines.base import register_family, torch_dtype
 from pipelines.flops import flux_forward_flops
 from pipelines.latent import LatentFlowFamily, check_folder, load_common, load_tokenizer, own_memory, pack_latents, unpack_latents
 from pipelines.schedules import calculate_shift, shifted_sigmas
-from pipelines.shapes import Shape, building, check_shape_path, clip_config, plain, resolve_shape, t5_config
+from pipelines.shapes import Shape, building, clip_config, family_components, plain, t5_config
 from pipelines.tiny import TINY_CLIP, TINY_T5, build_tiny_t5, build_tiny_t5_tokenizer, build_tiny_tokenizer, build_tiny_vae
 
 # FLUX.1-dev's scheduler config (dynamic shifting)
@@ -140,12 +140,8 @@ class FluxAdapter(LatentFlowFamily):
         sample_size: int | None = None, shape: str = "tiny",
     ):
         torch_dtype(dtype)
-        check_shape_path(shape, path)
-        spec = resolve_shape("flux", shape)
-        if path is not None:
-            parts = load_flux_components(path)
-        else:
-            parts = build_tiny_flux_components(seed) if spec is None else build_flux_components(seed, spec, device, dtype)
+        parts = family_components("flux", path=path, shape=shape, seed=seed, device=device, dtype=dtype,
+                                  load=load_flux_components, tiny=build_tiny_flux_components, build=build_flux_components)
         self._setup(parts, dtype, device, decode_chunk, drop_text_encoders)
         self.max_sequence_length = min(int(max_sequence_length), int(self.tokenizers["tokenizer_2"].model_max_length))
         self.clip_max_length = int(self.tokenizers["tokenizer"].model_max_length)

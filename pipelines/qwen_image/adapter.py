@@ -48,7 +48,7 @@ from pipelines.base import check_cfg_mode, register_family, torch_dtype
 from pipelines.flops import qwen_image_forward_flops
 from pipelines.latent import LatentFlowFamily, check_folder, load_common, own_memory, pack_latents, unpack_latents
 from pipelines.schedules import calculate_shift
-from pipelines.shapes import Shape, building, check_shape_path, plain, resolve_shape
+from pipelines.shapes import Shape, building, family_components, plain
 
 PROMPT_TEMPLATE = (
     "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, spatial "
@@ -242,12 +242,8 @@ class QwenImageAdapter(LatentFlowFamily):
         self.cfg_mode = check_cfg_mode(cfg_mode)
         if not 1 <= int(max_sequence_length) <= TOKENIZER_MAX_LENGTH:
             raise ValueError(f"Qwen-Image: max_sequence_length must be in [1, {TOKENIZER_MAX_LENGTH}], got {max_sequence_length}")
-        check_shape_path(shape, path)
-        spec = resolve_shape("qwen_image", shape)
-        if path is not None:
-            parts = load_qwen_image_components(path)
-        else:
-            parts = build_tiny_qwen_image_components(seed) if spec is None else build_qwen_image_components(seed, spec, device, dtype)
+        parts = family_components("qwen_image", path=path, shape=shape, seed=seed, device=device, dtype=dtype,
+                                  load=load_qwen_image_components, tiny=build_tiny_qwen_image_components, build=build_qwen_image_components)
         self._setup(parts, dtype, device, decode_chunk, drop_text_encoders)
         self.max_sequence_length = int(max_sequence_length)
         self.negative_prompt = str(negative_prompt)

@@ -32,7 +32,7 @@ from pipelines.base import check_cfg_mode, register_family, torch_dtype
 from pipelines.flops import mmdit_forward_flops
 from pipelines.latent import LatentFlowFamily, check_folder, load_common, load_tokenizer, own_memory
 from pipelines.schedules import flow_match_sigmas
-from pipelines.shapes import Shape, building, check_shape_path, clip_config, plain, resolve_shape, t5_config
+from pipelines.shapes import Shape, building, clip_config, family_components, plain, t5_config
 from pipelines.tiny import TINY_CLIP, TINY_T5, build_tiny_t5, build_tiny_t5_tokenizer, build_tiny_tokenizer, build_tiny_vae
 
 SD3_SCHEDULER_CONFIG = {"_class_name": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 3.0}
@@ -146,12 +146,8 @@ class SD3Adapter(LatentFlowFamily):
     ):
         torch_dtype(dtype)
         self.cfg_mode = check_cfg_mode(cfg_mode)
-        check_shape_path(shape, path)
-        spec = resolve_shape("sd3", shape)
-        if path is not None:
-            parts = load_sd3_components(path)
-        else:
-            parts = build_tiny_sd3_components(seed) if spec is None else build_sd3_components(seed, spec, device, dtype)
+        parts = family_components("sd3", path=path, shape=shape, seed=seed, device=device, dtype=dtype,
+                                  load=load_sd3_components, tiny=build_tiny_sd3_components, build=build_sd3_components)
         self._setup(parts, dtype, device, decode_chunk, drop_text_encoders)
         self.shift = float(self.scheduler_config.get("shift", 3.0))
         self.max_sequence_length = min(int(max_sequence_length), int(self.tokenizers["tokenizer_3"].model_max_length))

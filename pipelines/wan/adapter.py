@@ -43,7 +43,7 @@ from pipelines.base import check_cfg_mode, register_family, torch_dtype
 from pipelines.flops import wan_forward_flops
 from pipelines.latent import LatentFlowFamily, check_folder, load_common, load_tokenizer, own_memory
 from pipelines.schedules import flow_match_sigmas
-from pipelines.shapes import Shape, building, check_shape_path, plain, resolve_shape, t5_config
+from pipelines.shapes import Shape, building, family_components, plain, t5_config
 from pipelines.tiny import build_tiny_t5_tokenizer
 
 # Wan2.1-T2V's scheduler config (480p flow_shift); only flow_shift and num_train_timesteps are read
@@ -161,12 +161,8 @@ class WanAdapter(LatentFlowFamily):
     ):
         torch_dtype(dtype)
         self.cfg_mode = check_cfg_mode(cfg_mode)
-        check_shape_path(shape, path)
-        spec = resolve_shape("wan", shape)
-        if path is not None:
-            parts = load_wan_components(path)
-        else:
-            parts = build_tiny_wan_components(seed) if spec is None else build_wan_components(seed, spec, device, dtype)
+        parts = family_components("wan", path=path, shape=shape, seed=seed, device=device, dtype=dtype,
+                                  load=load_wan_components, tiny=build_tiny_wan_components, build=build_wan_components)
         self._setup(parts, dtype, device, decode_chunk, drop_text_encoders)
         self.num_frames = int(num_frames)
         if self.num_frames < 1 or (self.num_frames - 1) % self.vae_temporal_factor:
