@@ -1,4 +1,4 @@
-"""Data a run reads: prompt files, each step's prompts, offline preference pairs.
+"""Data a run reads: prompt files, editing records, each step's prompts, offline preference pairs.
 
 Nothing here touches a model: offline pairs are read as images and prompts, and the workers encode them
 (``ActorRolloutRefWorker.encode_pairs``).
@@ -15,6 +15,9 @@ from PIL import Image
 from tensordict import NonTensorStack, TensorDict
 
 from diffrl.sampling.seeding import Stream, generator
+from pipelines.base import EditPrompt, family_class, resize_sources, split_prompts
+
+EDIT_RECORD_KEYS = ("source", "instruction")
 
 
 def read_prompt_file(path: str | Path) -> list[str]:
@@ -26,6 +29,63 @@ def read_prompt_file(path: str | Path) -> list[str]:
     if not prompts:
         raise ValueError(f"prompt file {path} holds no prompts")
     return prompts
+
+
+def read_prompts(path: str | Path) -> list[str] | list[EditPrompt]:
+    """``trainer.prompts``: a text file (one prompt per line, :func:`read_prompt_file`) or the editing records
+    of a JSONL file or a folder (:func:`read_edit_records`)."""
+    path = Path(path)
+    if path.is_dir() or path.suffix == ".jsonl":
+        return read_edit_records(path)
+    return read_prompt_file(path)
+
+
+def read_edit_records(path: str | Path) -> list[EditPrompt]:
+    """Editing prompts: a JSONL file whose rows hold ``source`` (an image path, relative to the file) and
+    ``instruction`` (``prompt`` is accepted for it), or a folder holding such a ``metadata.jsonl`` (the
+    Hugging Face image-folder layout; ``file_name`` is accepted for ``source``).
+
+    Every image is checked before anything is trained: a missing file or key is a one-line error naming the
+    row. Sources are read as RGB uint8; the trainer resizes them to the sampler's size.
+    """
+    path = Path(path)
+    file = path / "metadata.jsonl" if path.is_dir() else path
+    if not file.is_file():
+        raise FileNotFoundError(f"editing prompts {file} do not exist (trainer.prompts: a JSONL file of {{source, instruction}} rows, or a folder with metadata.jsonl)")
+    records = []
+    for i, line in enumerate(file.read_text().splitlines()):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{file}: line {i + 1} is not JSON ({exc.msg})") from exc
+        source = row.get("source", row.get("file_name"))
+        instruction = row.get("instruction", row.get("prompt"))
+        if source is None or instruction is None:
+            raise ValueError(f"{file}: line {i + 1} lacks {'source' if source is None else 'instruction'}; every row needs {list(EDIT_RECORD_KEYS)}")
+        image = (file.parent / source) if not Path(source).is_absolute() else Path(source)
+        if not image.is_file():
+            raise FileNotFoundError(f"{file}: line {i + 1} names source image {image}, which does not exist")
+        records.append(EditPrompt(str(instruction), (_image(image) * 255.0).round().to(torch.uint8), name=str(source)))
+    if not records:
+        raise ValueError(f"{file} holds no editing records")
+    return records
+
+
+def check_edit_prompts(prompts: list, family: str, sampler) -> list:
+    """The run's prompts checked against the model family before anything is built: an editing family takes
+    :class:`~pipelines.base.EditPrompt` records (sources resized to the sampler's size), any other family
+    text prompts; a mismatch is a one-line error naming the fix."""
+    editing = bool(getattr(family_class(family), "editing", False))
+    records = bool(prompts) and isinstance(prompts[0], EditPrompt)
+    if editing and not records:
+        raise ValueError(f"model family {family!r} edits images: trainer.prompts must be a JSONL file or folder of {{source, instruction}} records, not text prompts")
+    if records and not editing:
+        raise ValueError(f"trainer.prompts holds editing records (source images) but model family {family!r} is text-to-image; use an editing family (e.g. model.family=flux_kontext)")
+    resized = resize_sources(prompts, int(sampler.height), int(sampler.width))
+    split_prompts(resized)  # a mix of strings and records fails here
+    return resized
 
 
 def step_prompts(prompts: list[str], step: int, prompts_per_step: int, seed: int) -> list[str]:

@@ -198,6 +198,7 @@ class RunLogger:
     def log_eval_samples(
         self, step: int, images: torch.Tensor, prompts: list[str], seeds: list[int], scores: dict[str, torch.Tensor], *,
         samples_per_prompt: int = 1, max_grid_images: int = 60, grid_columns: int = 10, grid_scale: int = 4,
+        source_images: torch.Tensor | None = None,
     ) -> Path:
         """Write evaluation ``step``'s grid PNG and per-sample JSONL; log grid, captioned images and table to wandb.
 
@@ -207,6 +208,8 @@ class RunLogger:
                 samples per prompt.
             prompts, seeds: ``N`` prompts and sampling seeds.
             scores: ``{metric name: [N]}`` (see :func:`per_sample_scores`).
+            source_images: uint8 ``[N, 3, H, W]``, an editing run's sources: each grid cell then shows the
+                source and the edit side by side.
 
         Returns:
             The grid's path.
@@ -216,7 +219,8 @@ class RunLogger:
             raise ValueError(f"log_eval_samples: {n} images need {n} prompts, seeds and scores per metric")
         on_grid = grid_rows(n, samples_per_prompt, max_grid_images)
         grid_path = self.images_dir / f"eval_step_{step:06d}.png"
-        save_grid(images[on_grid], grid_path, columns=min(grid_columns, len(on_grid)), scale=grid_scale)
+        cells = images if source_images is None else torch.cat([source_images, images], dim=-1)  # source | edit
+        save_grid(cells[on_grid], grid_path, columns=min(grid_columns, len(on_grid)), scale=grid_scale)
         grid_index = {row: i for i, row in enumerate(on_grid)}
         rows = [
             {"step": step, "index": i, "prompt": prompts[i], "seed": int(seeds[i]), "grid_index": grid_index.get(i),

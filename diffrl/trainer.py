@@ -34,7 +34,7 @@ from tensordict import NonTensorStack, TensorDict
 
 from diffrl import checkpoint
 from diffrl.algorithms import Algorithm, RunContext, build_algorithm
-from diffrl.data import read_prompt_file, step_prompts
+from diffrl.data import check_edit_prompts, read_prompts, step_prompts
 from diffrl.distributed import WorkerGroup, WorkerLostError, build_worker_group
 from diffrl.distributed.rollout import RolloutReplicas
 from diffrl.distributed.workers import ActorRolloutRefWorker, WorkerConfig
@@ -52,6 +52,7 @@ from diffrl.sampling.evaluation import (
 )
 from diffrl.sampling.schedules import TrainingWindow
 from diffrl.sampling.seeding import Stream, derive
+from pipelines.base import split_prompts
 from rewards.base import RewardError, build_reward, score
 
 
@@ -143,6 +144,11 @@ def worker_config(cfg: Config | DictConfig, algorithm: Algorithm | None = None) 
     )
 
 
+def sources_of(traj: TensorDict) -> torch.Tensor | None:
+    """The trajectories' source images (an editing run), else ``None``."""
+    return traj["source_images"] if "source_images" in traj.keys() else None
+
+
 def fingerprint(cfg: Config, algorithm: Algorithm) -> dict:
     """The config values a checkpoint must share with a run that resumes from it: the model and its
     trained weights' shapes, the algorithm class, and what fixes the prompts and noise of every step."""
@@ -183,7 +189,9 @@ class Trainer:
             self.restart_from_scratch = self.resume_path is None
         torch.manual_seed(t.seed)
         self.window = build_window(cfg)
-        self.prompts = read_prompt_file(t.prompts) if t.prompts else None
+        self.prompts = read_prompts(t.prompts) if t.prompts else None
+        if self.prompts is not None:
+            self.prompts = check_edit_prompts(self.prompts, cfg.model.family, cfg.sampler)
         options = cfg.reward.options  # rewards before the model: a reward that cannot be built (a server down) costs nothing
         self.rewards = {name: (build_reward(name, **options.get(name, {})), w) for name, w in run.reward_weights.items()}
         self.eval_metrics = {name: fn for name, (fn, _) in self.rewards.items()}
@@ -198,6 +206,8 @@ class Trainer:
         self._build_workers()
         if self.prompts is None:
             self.prompts = self.workers.default_prompts()
+            if self.prompts:
+                self.prompts = check_edit_prompts(self.prompts, cfg.model.family, cfg.sampler)
         if not self.prompts:
             raise ValueError(f"model family {cfg.model.family!r} has no built-in prompts; set trainer.prompts=<file>")
 
@@ -272,7 +282,7 @@ class Trainer:
         """The step's rollout request: per-sample seeds (stream ``ROLLOUT``), groups, prompts and the
         algorithm's :class:`~diffrl.algorithms.RolloutPlan` as non-tensor flags."""
         t = self.cfg.trainer
-        prompts = self.step_prompts(step)
+        prompts, sources = split_prompts(self.step_prompts(step))
         G = t.group_size
         td = TensorDict(
             {
@@ -282,6 +292,8 @@ class Trainer:
             batch_size=[len(prompts) * G],
         )
         td["prompts"] = NonTensorStack(*[p for p in prompts for _ in range(G)])
+        if sources is not None:
+            td["source_images"] = sources.repeat_interleave(G, dim=0)
         if self.cfg.sampler.same_initial_noise:
             td["init_seeds"] = torch.tensor([derive(t.seed, Stream.INITIAL_NOISE, step, j) for j in range(len(prompts)) for _ in range(G)])
         plan = self.algorithm.rollout_plan(self._window_masks(step))
@@ -307,18 +319,22 @@ class Trainer:
     def evaluate(self, step: int) -> dict:
         """Deterministic samples of the held-out (prompt, seed) pairs, scored by every eval metric."""
         t, s = self.cfg.trainer, self.cfg.sampler
-        prompts, seeds = eval_prompts_and_seeds(self.prompts, t.eval_seeds_per_prompt, t.eval_seed)
+        records, seeds = eval_prompts_and_seeds(self.prompts, t.eval_seeds_per_prompt, t.eval_seed)
+        prompts, sources = split_prompts(records)
         start = time.perf_counter()
         request = TensorDict({"seeds": torch.tensor(seeds), "group_id": torch.arange(len(seeds))}, batch_size=[len(seeds)])
         request["prompts"] = NonTensorStack(*prompts)
+        if sources is not None:
+            request["source_images"] = sources
         request.set_non_tensor("eval_num_steps", int(s.eval_num_steps))
         if s.micro_batch_size:
             request.set_non_tensor("micro_batch_size", int(s.micro_batch_size))
         images = self.workers.generate_sequences(request)["images"]
-        scores = per_sample_scores(images, prompts, self.eval_metrics)
+        scores = per_sample_scores(images, prompts, self.eval_metrics, sources)
         metrics = {f"eval/{name}": float(values.mean()) for name, values in scores.items()}
         metrics.update(distribution_metrics(images, prompts, self.feature_space))  # diversity, near-duplicates, Fréchet
-        self.logger.log_eval_samples(step, images, prompts, seeds, scores, samples_per_prompt=t.eval_seeds_per_prompt, max_grid_images=t.max_grid_images)
+        self.logger.log_eval_samples(step, images, prompts, seeds, scores, samples_per_prompt=t.eval_seeds_per_prompt, max_grid_images=t.max_grid_images,
+                                     source_images=sources)
         metrics["eval/seconds"] = time.perf_counter() - start
         return metrics
 
@@ -530,9 +546,9 @@ class Trainer:
         chunks = int(self.cfg.reward.async_chunks)
         metadata = {"step": step}
 
-        def timed_score(images: torch.Tensor, prompts: list[str]) -> tuple[dict, float]:
+        def timed_score(traj: TensorDict) -> tuple[dict, float]:
             begin = time.perf_counter()
-            result = score(self.rewards, images, prompts, metadata)
+            result = score(self.rewards, traj["images"], list(traj.get("prompts").tolist()), metadata, sources_of(traj))
             return result, time.perf_counter() - begin
 
         generate = self.replicas.generate_sequences if self.replicas is not None else self.workers.generate_sequences
@@ -540,7 +556,7 @@ class Trainer:
             start = time.perf_counter()
             traj = generate(request)
             times["time/rollout"] = time.perf_counter() - start
-            scores, times["time/reward"] = timed_score(traj["images"], list(traj.get("prompts").tolist()))
+            scores, times["time/reward"] = timed_score(traj)
             return traj, scores
         from concurrent.futures import ThreadPoolExecutor
 
@@ -553,7 +569,7 @@ class Trainer:
                     part = generate(request[c * size : (c + 1) * size])
                     sampling += time.perf_counter() - start
                     parts.append(part)
-                    futures.append(pool.submit(timed_score, part["images"], list(part.get("prompts").tolist())))
+                    futures.append(pool.submit(timed_score, part))
                 start = time.perf_counter()
                 results = [f.result() for f in futures]
                 times["time/reward_wait"] = time.perf_counter() - start
@@ -587,7 +603,7 @@ class Trainer:
         times["time/rollout_wait"] = time.perf_counter() - start
         times["time/rollout"] = float(traj.get_non_tensor("metrics")["rollout_seconds"])
         start = time.perf_counter()
-        scores = score(self.rewards, traj["images"], list(traj.get("prompts").tolist()), {"step": step})
+        scores = score(self.rewards, traj["images"], list(traj.get("prompts").tolist()), {"step": step}, sources_of(traj))
         times["time/reward"] = time.perf_counter() - start
         return traj, scores
 

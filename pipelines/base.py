@@ -14,10 +14,11 @@ Conventions (docs/architecture.md): ``sigma ∈ [0, 1]`` with 1 = pure noise, ``
 from __future__ import annotations
 
 import abc
+import dataclasses
 import importlib
 import inspect
 import pkgutil
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Callable
 
@@ -58,6 +59,60 @@ def guidance_branches(cond: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch
     return {k: cond[k] for k in keys}, {k: cond[f"negative_{k}"] for k in keys}
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class EditPrompt:
+    """An editing prompt: the instruction and the source image it applies to.
+
+    Editing families (``ModelAdapter.editing``) take lists of these wherever a text-to-image family takes
+    prompt strings; ``str(record)`` is the instruction (what rewards, logs and tables show).
+
+    Attributes:
+        instruction: the edit instruction (``"make it blue"``).
+        source: the source image, uint8 ``[3, H, W]``.
+        name: where the record came from (a file name or an id), for logs; ``""`` when none.
+    """
+
+    instruction: str
+    source: torch.Tensor
+    name: str = ""
+
+    def __post_init__(self):
+        src = self.source
+        if not (isinstance(src, torch.Tensor) and src.dtype == torch.uint8 and src.ndim == 3 and src.shape[0] == 3):
+            got = f"{src.dtype} {tuple(src.shape)}" if isinstance(src, torch.Tensor) else type(src).__name__
+            raise ValueError(f"EditPrompt {self.name or self.instruction!r}: source must be a uint8 RGB image [3, H, W], got {got}")
+
+    def __str__(self) -> str:
+        return self.instruction
+
+
+def split_prompts(prompts: Sequence) -> tuple[list[str], torch.Tensor | None]:
+    """Prompt strings, or :class:`EditPrompt` records → ``(texts, sources)``: the instructions and the stacked
+    uint8 sources ``[B, 3, H, W]`` (``None`` for plain strings). Records of different source sizes must be
+    resized first (:func:`resize_sources`); a mix of strings and records is an error."""
+    records = [isinstance(p, EditPrompt) for p in prompts]
+    if not any(records):
+        return [str(p) for p in prompts], None
+    if not all(records):
+        raise ValueError("a prompt list mixes text prompts and EditPrompt records; an editing run needs a source image for every prompt")
+    sizes = sorted({tuple(p.source.shape) for p in prompts})
+    if len(sizes) > 1:
+        raise ValueError(f"editing prompts have sources of different sizes {sizes}; resize them to the sampler's height × width first")
+    return [p.instruction for p in prompts], torch.stack([p.source for p in prompts])
+
+
+def resize_sources(prompts: Sequence, height: int, width: int) -> list:
+    """Every :class:`EditPrompt` with its source resized to ``height × width`` (bicubic on the uint8 image,
+    rounded back to uint8; sources already of that size are kept bit for bit); strings unchanged."""
+    out = []
+    for p in prompts:
+        if isinstance(p, EditPrompt) and tuple(p.source.shape[1:]) != (height, width):
+            x = torch.nn.functional.interpolate(p.source[None].float(), size=(height, width), mode="bicubic", align_corners=False, antialias=True)
+            p = EditPrompt(p.instruction, x[0].round().clamp(0, 255).to(torch.uint8), p.name)
+        out.append(p)
+    return out
+
+
 class ModelAdapter(abc.ABC):
     """One model family over diffusers components.
 
@@ -67,9 +122,12 @@ class ModelAdapter(abc.ABC):
         lora_target_modules: module-name suffixes that LoRA attaches to.
         shift: the family's default sigma-schedule shift.
         cfg_mode: how a guided :meth:`predict` runs its two branches (``model.options.cfg_mode``, see there).
+        editing: ``True`` for an editing family: :meth:`encode_prompts` takes the source images, and prompts
+            are :class:`EditPrompt` records.
     """
 
     prediction_type: str = "flow"
+    editing: bool = False
     lora_target_modules: list[str] = []
     shift: float = 1.0
     cfg_mode: str = "split"
@@ -80,7 +138,28 @@ class ModelAdapter(abc.ABC):
         """Text conditioning for ``prompts`` as a TensorDict with batch size ``[len(prompts)]``.
 
         It holds the positive embeddings ``k`` and, for CFG, the negative (unconditional) ones ``negative_k``.
+
+        An editing family (``editing = True``) takes ``encode_prompts(prompts, images)``: ``images`` float
+        ``[B, 3, H, W]`` in [0, 1], the source image of each instruction; the returned conditioning then holds
+        everything the denoiser reads, the source's latents included (with their ``negative_*`` twins), so a
+        trajectory's ``cond`` alone reproduces its log-probs in training.
         """
+
+    def encode(self, prompts: list[str], images: torch.Tensor | None = None) -> TensorDict:
+        """:meth:`encode_prompts` with the editing contract checked: an editing family needs one source
+        image per prompt, any other family none (a one-line ``ValueError`` naming the fix otherwise)."""
+        if self.editing:
+            if images is None:
+                raise ValueError(
+                    f"model family {type(self).__name__} is an editing model: every prompt needs a source image "
+                    "(set trainer.prompts to a JSONL file or folder of {source, instruction} records)"
+                )
+            if images.ndim != 4 or images.shape[0] != len(prompts) or images.shape[1] != 3:
+                raise ValueError(f"{type(self).__name__}: expected source images [{len(prompts)}, 3, H, W] for {len(prompts)} prompts, got {tuple(images.shape)}")
+            return self.encode_prompts(prompts, images)
+        if images is not None:
+            raise ValueError(f"model family {type(self).__name__} is a text-to-image model and takes no source images; use an editing family (e.g. model.family=flux_kontext)")
+        return self.encode_prompts(prompts)
 
     @abc.abstractmethod
     def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
@@ -153,7 +232,11 @@ class ModelAdapter(abc.ABC):
     def prompt_tokens(self) -> int:
         """Text tokens the denoiser attends to per sample: the sequence length of the embedding of the first
         default prompt (``"a photo"`` for a family without default prompts)."""
-        cond = self.encode_prompts([(self.default_prompts() or ["a photo"])[0]])
+        first = (self.default_prompts() or ["a photo"])[0]
+        if isinstance(first, EditPrompt):
+            cond = self.encode([first.instruction], first.source[None].float() / 255.0)
+        else:
+            cond = self.encode_prompts([first])
         return int(cond["prompt_embeds"].shape[1])
 
     def fsdp_blocks(self) -> list[nn.Module]:
@@ -164,8 +247,9 @@ class ModelAdapter(abc.ABC):
             blocks = [*d.down_blocks, d.mid_block, *d.up_blocks]
         return blocks
 
-    def default_prompts(self) -> list[str] | None:
-        """The family's built-in prompt set (used when ``trainer.prompts`` is not given), or None."""
+    def default_prompts(self) -> list[str] | list[EditPrompt] | None:
+        """The family's built-in prompt set (used when ``trainer.prompts`` is not given), or None; an editing
+        family returns :class:`EditPrompt` records."""
         return None
 
     def schedule(self, num_steps: int, shift: float | None = None, *, height: int | None = None, width: int | None = None) -> torch.Tensor:

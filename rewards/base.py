@@ -18,7 +18,10 @@ A reward declares, as class or instance attributes (all optional; defaults in :c
 * ``video`` — ``False`` (default): a video ``[B, F, 3, H, W]`` is scored frame by frame as ``B·F`` images
   (each frame with its video's prompt; ``batch_size``/``input`` apply to frames) and a video's score is the
   mean over its frames; ``True``: the reward receives whole videos, uint8 ``[B, F, 3, H, W]`` (``"pil"``: a
-  list of ``B`` lists of ``F`` RGB images), ``batch_size`` counting videos.
+  list of ``B`` lists of ``F`` RGB images), ``batch_size`` counting videos;
+* ``needs_source`` — ``False`` (default); ``True``: an editing reward, called as
+  ``reward(images, prompts, metadata, source_images=…)`` with each sample's source image in the same form as
+  ``images`` (``input``), and ``prompts`` the edit instructions. Scoring without sources raises.
 
 :func:`score` runs a weighted set of rewards and checks every output: a wrong shape, NaN or Inf (or a
 value outside the declared ``scale``) raises :class:`RewardError` naming the reward and the sample's
@@ -36,7 +39,7 @@ from typing import Any, Callable
 import torch
 
 _REGISTRY: dict[str, type] = {}
-_BUILTIN_MODULES = ("rewards.digits", "rewards.jpeg", "rewards.ocr", "rewards.clip_models", "rewards.remote", "rewards.vlm_judge")
+_BUILTIN_MODULES = ("rewards.digits", "rewards.jpeg", "rewards.ocr", "rewards.clip_models", "rewards.remote", "rewards.vlm_judge", "rewards.edit")
 ENTRY_POINT_GROUP = "diffrl.rewards"
 INPUT_KINDS = ("uint8", "pil")
 
@@ -57,6 +60,7 @@ class Reward:
         device: where the reward model runs.
         video: ``True``: receives whole videos ``[B, F, 3, H, W]``; ``False``: videos are scored per frame
             and averaged over their frames (see the module docstring).
+        needs_source: ``True``: an editing reward; receives ``source_images=`` (see the module docstring).
     """
 
     name: str = "reward"
@@ -66,6 +70,7 @@ class Reward:
     input: str = "uint8"
     device: str = "cpu"
     video: bool = False
+    needs_source: bool = False
 
     def __call__(self, images, prompts: list[str], metadata: Any = None) -> dict[str, torch.Tensor]:
         raise TypeError(f"{type(self).__name__} must define __call__(images, prompts, metadata)")
@@ -144,8 +149,9 @@ def build_reward(name: str, **kwargs) -> Callable:
 def reward_spec(fn: Any, name: str | None = None) -> dict[str, Any]:
     """The declared attributes of ``fn`` with defaults filled in; raises :class:`RewardError` when invalid."""
     name = name or getattr(fn, "name", None) or getattr(fn, "__name__", "reward")
-    spec = {key: getattr(fn, key, getattr(Reward, key)) for key in ("unit", "scale", "batch_size", "input", "device", "video")}
+    spec = {key: getattr(fn, key, getattr(Reward, key)) for key in ("unit", "scale", "batch_size", "input", "device", "video", "needs_source")}
     spec["video"] = bool(spec["video"])
+    spec["needs_source"] = bool(spec["needs_source"])
     spec["name"] = getattr(fn, "name", None) or name
     if spec["input"] not in INPUT_KINDS:
         raise RewardError(f"reward {name!r} declares input={spec['input']!r}; use one of {INPUT_KINDS}")
@@ -243,7 +249,9 @@ def slice_metadata(metadata: Any, start: int, stop: int, batch_size: int) -> Any
     return metadata
 
 
-def call_reward(name: str, fn: Callable, images: torch.Tensor, prompts: list[str], metadata: Any = None) -> dict[str, torch.Tensor]:
+def call_reward(
+    name: str, fn: Callable, images: torch.Tensor, prompts: list[str], metadata: Any = None, source_images: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:
     """Call one reward the way it declared: in chunks of ``fn.batch_size``, on uint8 tensors or PIL images.
 
     Every output of every chunk is checked (:func:`check_output`; the main output also against
@@ -261,22 +269,33 @@ def call_reward(name: str, fn: Callable, images: torch.Tensor, prompts: list[str
         images: uint8 ``[B, 3, H, W]`` or videos ``[B, F, 3, H, W]``.
         prompts: ``B`` prompts.
         metadata: passed through; a list/tuple of length ``B`` is sliced per chunk (repeated per frame).
+        source_images: uint8 ``[B, 3, H, W]``, the source image of each sample of an editing run; passed to a
+            reward declaring ``needs_source`` (sliced with the chunks, repeated per frame), ignored by others.
     """
     check_images(images, prompts)
     spec = reward_spec(fn, name)
+    if spec["needs_source"]:
+        if source_images is None:
+            raise RewardError(f"reward {name!r} scores edits and needs the source images (needs_source = True); this run has none: use it with an editing model and editing prompts")
+        if source_images.dtype != torch.uint8 or source_images.ndim != 4 or source_images.shape[0] != images.shape[0]:
+            raise RewardError(f"reward {name!r}: source_images must be uint8 [{images.shape[0]}, 3, H, W], got {source_images.dtype} {tuple(source_images.shape)}")
+    else:
+        source_images = None
     if images.ndim == 5 and not spec["video"]:
         b, f = images.shape[:2]
         frames = images.reshape(b * f, *images.shape[2:])
         frame_prompts = [p for p in prompts for _ in range(f)]
         if isinstance(metadata, (list, tuple)) and len(metadata) == b:
             metadata = [m for m in metadata for _ in range(f)]
-        per_frame = _call_chunks(name, fn, spec, frames, frame_prompts, metadata, frames_per_video=f)
+        frame_sources = None if source_images is None else source_images.repeat_interleave(f, dim=0)
+        per_frame = _call_chunks(name, fn, spec, frames, frame_prompts, metadata, frames_per_video=f, sources=frame_sources)
         return {key: value.view(b, f).mean(dim=1) for key, value in per_frame.items()}
-    return _call_chunks(name, fn, spec, images, prompts, metadata)
+    return _call_chunks(name, fn, spec, images, prompts, metadata, sources=source_images)
 
 
 def _call_chunks(
     name: str, fn: Callable, spec: dict, images: torch.Tensor, prompts: list[str], metadata: Any, frames_per_video: int | None = None,
+    sources: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """:func:`call_reward`'s loop over chunks of ``spec["batch_size"]`` samples (images, frames or videos)."""
     total = images.shape[0]
@@ -289,7 +308,12 @@ def _call_chunks(
             batch_in = [to_pil(video) for video in batch] if batch.ndim == 5 else to_pil(batch)
         else:
             batch_in = batch
-        result = fn(batch_in, list(prompts[start:stop]), slice_metadata(metadata, start, stop, total))
+        args = (batch_in, list(prompts[start:stop]), slice_metadata(metadata, start, stop, total))
+        if sources is not None:
+            src = sources[start:stop]
+            result = fn(*args, source_images=to_pil(src) if spec["input"] == "pil" else src)
+        else:
+            result = fn(*args)
         if not isinstance(result, dict) or not result:
             raise RewardError(f"reward {name!r} returned {type(result).__name__}; expected a dict of name -> tensor [B]")
         if parts and set(result) != set(parts):
@@ -313,7 +337,9 @@ def _main_key(name: str, fn: Callable, result: dict) -> str:
     return next(iter(result))
 
 
-def score(rewards: dict[str, tuple[Callable, float]], images: torch.Tensor, prompts: list[str], metadata: Any = None) -> dict[str, torch.Tensor]:
+def score(
+    rewards: dict[str, tuple[Callable, float]], images: torch.Tensor, prompts: list[str], metadata: Any = None, source_images: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:
     """Run every reward and return ``{"reward/<key>": [B], …, "rewards": Σ weight·main output}``.
 
     ``"reward/<name>"`` always holds the main output of the reward configured as ``name`` (also when the
@@ -328,13 +354,15 @@ def score(rewards: dict[str, tuple[Callable, float]], images: torch.Tensor, prom
         images: uint8 ``[B, 3, H, W]`` or videos ``[B, F, 3, H, W]`` (see :func:`call_reward`).
         prompts: ``B`` prompts.
         metadata: passed to every reward (a list/tuple of length ``B`` is sliced with the chunks).
+        source_images: uint8 ``[B, 3, H, W]`` sources of an editing run, for the rewards that declare
+            ``needs_source``.
     """
     check_images(images, prompts)
     batch_size = images.shape[0]
     out: dict[str, torch.Tensor] = {}
     total = torch.zeros(batch_size)
     for name, (fn, weight) in rewards.items():
-        result = call_reward(name, fn, images, prompts, metadata)
+        result = call_reward(name, fn, images, prompts, metadata, source_images)
         for key, value in result.items():
             out[f"reward/{key}"] = value
         main = result[_main_key(name, fn, result)]

@@ -200,7 +200,7 @@ class ActorRolloutRefWorker(TrainingWorker):
     @register(Dispatch.DP_COMPUTE)
     def generate_sequences(self, data: TensorDict) -> TensorDict:
         """Sample trajectories: ``data`` holds non-tensor ``prompts`` and tensor ``seeds``, ``group_id``,
-        optionally ``init_seeds`` and the non-tensor flags ``policy`` (``current`` | ``old``), ``sde_mask [K]``,
+        optionally ``init_seeds``, ``source_images`` (uint8 ``[B, 3, H, W]``, an editing model's sources) and the non-tensor flags ``policy`` (``current`` | ``old``), ``sde_mask [K]``,
         ``stochastic_mask [K]``, ``record_means``, ``micro_batch_size``, ``eval_num_steps`` (a deterministic
         evaluation); sampler settings come from the config."""
         if not self._is_rollout:
@@ -219,18 +219,20 @@ class ActorRolloutRefWorker(TrainingWorker):
 
     def _sample(self, data: TensorDict, prompts: list[str]) -> TensorDict:
         settings = self.config.sampler
+        sources = data["source_images"] if "source_images" in data.keys() else None  # an editing model's source images
         eval_steps = get_flag(data, "eval_num_steps")
         if eval_steps:  # deterministic evaluation, no trained steps
             settings = deterministic_settings(settings, self.adapter.prediction_type, int(eval_steps))
             return sample_trajectories(
                 self.adapter, prompts, settings=settings, seeds=data["seeds"].tolist(), group_id=data["group_id"],
-                micro_batch_size=get_flag(data, "micro_batch_size"),
+                micro_batch_size=get_flag(data, "micro_batch_size"), source_images=sources,
             )
         return sample_trajectories(
             self.adapter, prompts, settings=settings, seeds=data["seeds"].tolist(),
             sde_mask=get_flag(data, "sde_mask"), stochastic_mask=get_flag(data, "stochastic_mask"),
             init_seeds=data["init_seeds"].tolist() if "init_seeds" in data.keys() else None, group_id=data["group_id"],
             micro_batch_size=get_flag(data, "micro_batch_size"), record_means=bool(get_flag(data, "record_means", False)),
+            source_images=sources,
         )
 
     @register(Dispatch.DP_COMPUTE)

@@ -12,6 +12,7 @@ import torch
 from diffrl.config import SamplerConfig
 from diffrl.sampling.rollout import sample_trajectories
 from diffrl.sampling.seeding import Stream, derive
+from pipelines.base import split_prompts
 from rewards.base import call_reward
 
 
@@ -40,23 +41,25 @@ def deterministic_settings(settings: SamplerConfig, prediction_type: str, num_st
     return dataclasses.replace(settings, num_steps=num_steps, kind=kind, noise_level=0.0)
 
 
-def score_images(images: torch.Tensor, prompts: list[str], metrics: dict) -> dict[str, float]:
+def score_images(images: torch.Tensor, prompts: list[str], metrics: dict, source_images: torch.Tensor | None = None) -> dict[str, float]:
     """``{"eval/<name>": mean}`` of every metric (``name -> callable``, reward protocol) on ``images``,
     each called as it declared (:func:`rewards.base.call_reward`: batch size, uint8 or PIL input, checks)."""
-    return {f"eval/{name}": float(values.mean()) for name, values in per_sample_scores(images, prompts, metrics).items()}
+    return {f"eval/{name}": float(values.mean()) for name, values in per_sample_scores(images, prompts, metrics, source_images).items()}
 
 
 @torch.no_grad()
-def evaluate(adapter, prompts: list[str], *, seeds: list[int], num_steps: int, guidance_scale: float, metrics: dict, micro_batch_size: int | None = None) -> tuple[dict[str, float], torch.Tensor]:
-    """Sample ``prompts`` deterministically (:func:`deterministic_settings`) and average each metric.
+def evaluate(adapter, prompts: list, *, seeds: list[int], num_steps: int, guidance_scale: float, metrics: dict, micro_batch_size: int | None = None) -> tuple[dict[str, float], torch.Tensor]:
+    """Sample ``prompts`` (strings, or ``EditPrompt`` records of an editing model) deterministically
+    (:func:`deterministic_settings`) and average each metric.
 
     Returns:
         ``({"eval/<name>": mean}, images uint8 [N, 3, H, W])``.
     """
     settings = deterministic_settings(SamplerConfig(num_steps=num_steps, guidance_scale=guidance_scale), getattr(adapter, "prediction_type", "flow"), num_steps)
-    td = sample_trajectories(adapter, prompts, settings=settings, seeds=seeds, micro_batch_size=micro_batch_size)
+    texts, sources = split_prompts(prompts)
+    td = sample_trajectories(adapter, texts, settings=settings, seeds=seeds, micro_batch_size=micro_batch_size, source_images=sources)
     images = td["images"]
-    return score_images(images, prompts, metrics), images
+    return score_images(images, texts, metrics, sources), images
 
 
 def paired_change(before_rows: list[dict], after_rows: list[dict], metrics: list[str]) -> dict[str, dict]:
@@ -118,13 +121,14 @@ def run_paired_change(run_dir, steps: int, metrics: list[str]) -> dict | None:
     return {"steps": [0, steps], **paired_change(*(read_jsonl(f) for f in files), metrics)}
 
 
-def per_sample_scores(images: torch.Tensor, prompts: list[str], metrics: dict[str, Callable]) -> dict[str, torch.Tensor]:
+def per_sample_scores(images: torch.Tensor, prompts: list[str], metrics: dict[str, Callable], source_images: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """``{name: float [B]}``: each eval metric (reward protocol) on every image.
 
     The value of metric ``name`` is its output under ``name`` (else its first output), the same choice as
-    :func:`diffrl.sampling.evaluation.score_images`, whose means are ``scores[name].mean()``.
+    :func:`diffrl.sampling.evaluation.score_images`, whose means are ``scores[name].mean()``. An editing
+    run passes ``source_images`` (uint8 ``[B, 3, H, W]``) for the metrics that declare ``needs_source``.
     """
-    return {name: main_score(name, call_reward(name, fn, images, prompts, None)) for name, fn in metrics.items()}
+    return {name: main_score(name, call_reward(name, fn, images, prompts, None, source_images)) for name, fn in metrics.items()}
 
 
 def main_score(name: str, result: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -35,6 +35,7 @@ def sample_trajectories(
     group_id: torch.Tensor | None = None,
     micro_batch_size: int | None = None,
     record_means: bool = False,
+    source_images: torch.Tensor | None = None,
 ) -> TensorDict:
     """Sample one trajectory per entry of ``prompts`` (repeat a prompt for a group).
 
@@ -54,6 +55,9 @@ def sample_trajectories(
         micro_batch_size: samples per forward (default all ``B``).
         record_means: also return ``means [B, K, …]``, each step's transition mean (GRPO-Guard's
             RatioNorm needs the rollout's means).
+        source_images: uint8 ``[B, 3, H, W]``, each prompt's source image, for an editing family
+            (``adapter.editing``; required there, refused elsewhere). They enter ``cond`` through
+            ``adapter.encode`` and are kept in the trajectory as ``source_images``.
 
     Returns:
         The trajectory TensorDict (docs/architecture.md, "Trajectory") with batch size ``[B]``: ``latents [B, K+1, …]``,
@@ -85,13 +89,24 @@ def sample_trajectories(
     mb = micro_batch_size or B
     device = adapter.device
     prediction_type = getattr(adapter, "prediction_type", "flow")
-    unique = list(dict.fromkeys(prompts))
+    if source_images is not None and (source_images.dtype != torch.uint8 or source_images.ndim != 4 or source_images.shape[0] != B):
+        raise ValueError(f"source_images must be uint8 [{B}, 3, H, W] (one per prompt), got {source_images.dtype} {tuple(source_images.shape)}")
+    # a conditioning is a (prompt, source) pair; sources are told apart by their bytes
+    keys = [(p, None if source_images is None else hash(source_images[i].numpy().tobytes())) for i, p in enumerate(prompts)]
+    unique = list(dict.fromkeys(keys))
+    first = {key: keys.index(key) for key in unique}
+
+    def encode_one(key):
+        i = first[key]
+        images = None if source_images is None else source_images[i : i + 1].float() / 255.0
+        return adapter.encode([prompts[i]], images)
+
     # one prompt per text-encoder call: a prompt's embedding then does not depend on which other prompts share
     # the batch, so a rollout cut into chunks (reward.async_chunks, data-parallel workers) is bit-identical
-    encoded = torch.cat([adapter.encode_prompts([p]) for p in unique]) if len(unique) > 1 else adapter.encode_prompts(unique)
-    cond = encoded[torch.tensor([unique.index(p) for p in prompts])]
+    encoded = torch.cat([encode_one(key) for key in unique]) if len(unique) > 1 else encode_one(unique[0])
+    cond = encoded[torch.tensor([unique.index(key) for key in keys])]
     if group_id is None:
-        group_id = torch.tensor([unique.index(p) for p in prompts], dtype=torch.long)
+        group_id = torch.tensor([unique.index(key) for key in keys], dtype=torch.long)
     kinds = [settings.kind if deterministic or bool(stochastic_mask[k]) else settings.ode_solver for k in range(K)]
 
     all_latents, all_log_probs, all_images, all_means = [], [], [], []
@@ -138,5 +153,7 @@ def sample_trajectories(
     )
     if record_means:
         td["means"] = torch.cat(all_means)
+    if source_images is not None:
+        td["source_images"] = source_images.cpu()
     td["prompts"] = NonTensorStack(*prompts)
     return td

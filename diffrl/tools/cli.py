@@ -18,10 +18,10 @@ import json
 import os
 import sys
 
+from diffrl.checkpoint import CheckpointError
 from diffrl.logging import WandbInitError
 from diffrl.recipes import ConfigError, compose
 from diffrl.tools import commands, reward_server
-from diffrl.checkpoint import CheckpointError
 from diffrl.trainer import RunFolderError, RunStopped, Trainer
 from rewards.base import RewardError
 

@@ -34,14 +34,18 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from diffrl.checkpoint import list_checkpoints, write_json_atomic
-from diffrl.data import read_prompt_file
+from diffrl.data import check_edit_prompts
+from diffrl.data import read_prompts as read_prompt_source
 from diffrl.distributed import build_worker_group
 from diffrl.distributed.workers import ActorRolloutRefWorker
 from diffrl.logging import main_score, save_gif, save_grid
 from diffrl.recipes import Config, ConfigError, compose
 from diffrl.sampling.evaluation import eval_prompts_and_seeds
 from diffrl.trainer import RunFolderError, worker_config
+from pipelines.base import split_prompts
 from rewards.base import build_reward, call_reward
 
 # family -> (diffusers pipeline class whose LoRA loader reads the file, component name = key prefix)
@@ -52,6 +56,9 @@ LORA_FORMATS = {
     "wan": ("WanPipeline", "transformer"),
     "sd15": ("StableDiffusionPipeline", "unet"),
     "qwen_image": ("QwenImagePipeline", "transformer"),
+    "qwen_image_edit": ("QwenImageEditPipeline", "transformer"),
+    "flux_kontext": ("FluxKontextPipeline", "transformer"),
+    "digits_edit": ("StableDiffusion3Pipeline", "transformer"),
 }
 LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
 _GROUPS = ("experiment", "model", "algorithm", "reward", "sampler")
@@ -242,14 +249,14 @@ def build_metrics(cfg, names: list[str] | None = None) -> dict:
     return {name: build_reward(name, **options.get(name, {})) for name in dict.fromkeys(names)}
 
 
-def score_per_image(images, prompts: list[str], metrics: dict) -> tuple[dict[str, list[float]], dict[str, float]]:
+def score_per_image(images, prompts: list[str], metrics: dict, source_images=None) -> tuple[dict[str, list[float]], dict[str, float]]:
     """Each metric called once, as the trainer's evaluation calls it (``rewards.base.call_reward``: chunks,
     input kind, video frames, checks): ``({output key: per-image values}, {"eval/<name>": mean})``, the means
     reduced like ``diffrl.sampling.evaluation.score_images`` (:func:`diffrl.logging.main_score`)."""
 
     per_image, means = {}, {}
     for name, fn in metrics.items():
-        out = call_reward(name, fn, images, prompts, None)
+        out = call_reward(name, fn, images, prompts, None, source_images)
         per_image.update({key: value.tolist() for key, value in out.items()})
         means[f"eval/{name}"] = float(main_score(name, out).mean())
     return per_image, means
@@ -269,7 +276,7 @@ def read_prompts(args, required: bool) -> list[str] | None:
     if args.prompts and args.prompt_file:
         raise ValueError("give either --prompts or --prompt-file, not both")
     if args.prompt_file:
-        return read_prompt_file(args.prompt_file)
+        return read_prompt_source(args.prompt_file)
     if args.prompts:
         return list(args.prompts)
     if required:
@@ -296,12 +303,15 @@ def _describe(source: ModelSource) -> dict:
     }
 
 
-def _request(prompts: list[str], seeds: list[int], cfg, eval_num_steps: int | None):
-    import torch
+def _request(prompts: list, seeds: list[int], cfg, eval_num_steps: int | None):
+    """The rollout request of ``prompts`` (strings, or ``EditPrompt`` records: their sources go along)."""
     from tensordict import NonTensorStack, TensorDict
 
+    texts, sources = split_prompts(prompts)
     td = TensorDict({"seeds": torch.tensor(seeds), "group_id": torch.arange(len(seeds))}, batch_size=[len(seeds)])
-    td["prompts"] = NonTensorStack(*prompts)
+    td["prompts"] = NonTensorStack(*texts)
+    if sources is not None:
+        td["source_images"] = sources
     if eval_num_steps:
         td.set_non_tensor("eval_num_steps", int(eval_num_steps))
     if cfg.sampler.micro_batch_size:
@@ -316,13 +326,15 @@ def run_sample(args) -> int:
     out = prepare_out(args.out, ["samples.json", "grid.png", "images"], args.overwrite)
     source = resolve_source(args)
     cfg = source.cfg
+    prompts = check_edit_prompts(prompts, cfg.model.family, cfg.sampler)
     metrics = {} if args.rewards in (["none"],) else build_metrics(cfg, args.rewards or None)
     workers = build_workers(source)
-    all_prompts = [p for p in prompts for _ in args.seeds]
+    all_records = [p for p in prompts for _ in args.seeds]
     seeds = [s for _ in prompts for s in args.seeds]
     steps = None if args.stochastic else cfg.sampler.eval_num_steps
-    images = workers.generate_sequences(_request(all_prompts, seeds, cfg, steps))["images"]
-    per_image, means = score_per_image(images, all_prompts, metrics) if metrics else ({}, {})
+    images = workers.generate_sequences(_request(all_records, seeds, cfg, steps))["images"]
+    all_prompts, sources = split_prompts(all_records)
+    per_image, means = score_per_image(images, all_prompts, metrics, sources) if metrics else ({}, {})
     (out / "images").mkdir(parents=True, exist_ok=True)
     samples = []
     for i, (prompt, seed) in enumerate(zip(all_prompts, seeds)):
@@ -330,8 +342,9 @@ def run_sample(args) -> int:
         save_grid(images[i : i + 1], out / name, columns=1, padding=0)  # a video's middle frame
         if images.ndim == 5:
             save_gif(images[i], out / f"images/{i:04d}.gif")
-        samples.append({"index": i, "prompt": prompt, "seed": seed, "image": name, "rewards": {k: v[i] for k, v in per_image.items()}})
-    save_grid(images, out / "grid.png", columns=len(args.seeds), scale=4)
+        samples.append({"index": i, "prompt": prompt, "seed": seed, "image": name, "rewards": {k: v[i] for k, v in per_image.items()},
+                        **({"source": all_records[i].name} if sources is not None else {})})
+    save_grid(images if sources is None else torch.cat([sources, images], dim=-1), out / "grid.png", columns=len(args.seeds), scale=4)
     stochastic_eval = bool(cfg.sampler.get("eval_stochastic", False))
     sampler = {"kind": cfg.sampler.kind if args.stochastic or stochastic_eval else "ode/ddim (deterministic)",
                "num_steps": cfg.sampler.num_steps if args.stochastic else cfg.sampler.eval_num_steps,
@@ -353,14 +366,17 @@ def run_eval(args) -> int:
     cfg, t = source.cfg, source.cfg.trainer
     metrics = build_metrics(cfg)
     workers = build_workers(source)
-    prompts = read_prompts(args, required=False) or (read_prompt_file(t.prompts) if t.prompts else workers.default_prompts())
+    prompts = read_prompts(args, required=False) or (read_prompt_source(t.prompts) if t.prompts else workers.default_prompts())
     if not prompts:
         raise ValueError(f"model family {cfg.model.family!r} has no built-in prompts; give --prompts, --prompt-file or trainer.prompts=<file>")
+    prompts = check_edit_prompts(prompts, cfg.model.family, cfg.sampler)
     start = time.perf_counter()
-    all_prompts, seeds = eval_prompts_and_seeds(prompts, t.eval_seeds_per_prompt, t.eval_seed)
-    images = workers.generate_sequences(_request(all_prompts, seeds, cfg, cfg.sampler.eval_num_steps))["images"]
-    per_image, means = score_per_image(images, all_prompts, metrics)
-    first_seed = images[:: t.eval_seeds_per_prompt][: t.max_grid_images]
+    all_records, seeds = eval_prompts_and_seeds(prompts, t.eval_seeds_per_prompt, t.eval_seed)
+    images = workers.generate_sequences(_request(all_records, seeds, cfg, cfg.sampler.eval_num_steps))["images"]
+    all_prompts, sources = split_prompts(all_records)
+    per_image, means = score_per_image(images, all_prompts, metrics, sources)
+    cells = images if sources is None else torch.cat([sources, images], dim=-1)  # source | edit
+    first_seed = cells[:: t.eval_seeds_per_prompt][: t.max_grid_images]
     out.mkdir(parents=True, exist_ok=True)
     save_grid(first_seed, out / "eval_grid.png", columns=min(10, len(first_seed)), scale=4)
     settings = {"eval_num_steps": cfg.sampler.eval_num_steps, "guidance_scale": cfg.sampler.guidance_scale,
