@@ -216,3 +216,29 @@ def test_scale_benchmark_counts_the_recompute_and_keeps_parity(tmp_path):
     assert 1.5 <= ratio[0] <= 2.0
     # the recompute: the blocks' part of one conditional forward (the blocks are almost all of it)
     assert 0.4 < ratio[1] - ratio[0] <= 0.5
+
+
+def test_hook_free_flop_counter_equals_flop_counter_mode():
+    """The scale benchmark counts executed FLOPs with its own dispatch mode (no module hooks, so activation
+    checkpointing still frees memory); on a forward + backward through linear layers and SDPA it gives
+    FlopCounterMode's total exactly."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from gpu_scale import OpFlops
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(32, 96)
+    x = torch.randn(2, 16, 32, requires_grad=True)
+
+    def step():
+        q, k, v = layer(x).view(2, 16, 3, 2, 16).permute(2, 0, 3, 1, 4)
+        torch.nn.functional.scaled_dot_product_attention(q, k, v).sum().backward()
+
+    ours, ref = OpFlops(), FlopCounterMode(display=False)
+    with ours:
+        step()
+    with ref:
+        step()
+    assert ours.get_total_flops() == ref.get_total_flops() > 2 * 2 * 16 * 32 * 96
