@@ -123,8 +123,11 @@ def colocated(args, results_queue) -> None:
 
 
 # -- split: actor and replica processes -----------------------------------------------------------------
-def replica(args, staleness: int, port: int, trajectories, results_queue) -> None:
-    """Samples batch i with the weights it holds, hands it over, and joins the sync after each update."""
+def replica(args, staleness: int, port: int, trajectories, results_queue, actor_done) -> None:
+    """Samples batch i with the weights it holds, hands it over, and joins the sync after each update.
+
+    It stays alive until the actor is done: a CPU tensor put on the queue travels as a file descriptor that
+    the receiver fetches from the sending process, so the sender must outlive the last ``get``."""
     try:
         setup_process(args)
         device = args.device
@@ -149,12 +152,13 @@ def replica(args, staleness: int, port: int, trajectories, results_queue) -> Non
         for _ in range(staleness):  # the actor sends after each of its first n − 1 batches: take the last ones too
             receives.append(weight_sync.receive_weights(engine, channel, bucket))
         results_queue.put({"role": "replica", "rollout_s": median(rollout_s[args.warmup:]), "receives": receives, **memory(device)})
+        actor_done.wait(args.timeout)
     except BaseException:
         results_queue.put({"role": "replica", "error": traceback.format_exc()})
         raise
 
 
-def actor(args, staleness: int, port: int, trajectories, results_queue) -> None:
+def actor(args, staleness: int, port: int, trajectories, results_queue, actor_done) -> None:
     """Trains on each batch as it arrives (truncated importance weights for a stale one) and sends the LoRA."""
     try:
         setup_process(args)
@@ -194,6 +198,8 @@ def actor(args, staleness: int, port: int, trajectories, results_queue) -> None:
     except BaseException:
         results_queue.put({"role": "actor", "error": traceback.format_exc()})
         raise
+    finally:
+        actor_done.set()
 
 
 def free_port() -> int:
@@ -204,9 +210,9 @@ def free_port() -> int:
 
 def run_split(args, staleness: int) -> dict:
     ctx = mp.get_context("spawn")
-    trajectories, results_queue = ctx.Queue(maxsize=staleness + 1), ctx.Queue()
+    trajectories, results_queue, actor_done = ctx.Queue(maxsize=staleness + 1), ctx.Queue(), ctx.Event()
     port = free_port()
-    procs = [ctx.Process(target=fn, args=(args, staleness, port, trajectories, results_queue)) for fn in (actor, replica)]
+    procs = [ctx.Process(target=fn, args=(args, staleness, port, trajectories, results_queue, actor_done)) for fn in (actor, replica)]
     for p in procs:
         p.start()
     got = {}

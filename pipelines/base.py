@@ -128,6 +128,7 @@ class ModelAdapter(abc.ABC):
 
     prediction_type: str = "flow"
     editing: bool = False
+    cudagraph_steps: bool = False  # set by the engine under compile mode reduce-overhead (see predict)
     lora_target_modules: list[str] = []
     shift: float = 1.0
     cfg_mode: str = "split"
@@ -192,7 +193,14 @@ class ModelAdapter(abc.ABC):
 
         Both give the same output and gradients up to float rounding; rollout and training use the same
         mode, so their log-probs agree exactly.
+
+        With ``cudagraph_steps`` (CUDA graphs, ``model.compile_mode=reduce-overhead``) each call without
+        gradients (rollout, reference and old-policy scoring) starts a new step of torch's CUDA-graph trees: the
+        graphs replayed inside one prediction (both branches, every compiled block) keep their own outputs,
+        which the next prediction may overwrite. With gradients the trees start a step after each backward.
         """
+        if self.cudagraph_steps and not torch.is_grad_enabled():
+            torch.compiler.cudagraph_mark_step_begin()
         x = latents.to(next(self.denoiser.parameters()).dtype)
         sigma = torch.as_tensor(sigma, dtype=torch.float32, device=latents.device).expand(latents.shape[0])
         if guidance_scale == 1.0:

@@ -154,6 +154,8 @@ class DiffusionEngine:
         if self.model.compile:
             blocks = self.adapter.fsdp_blocks() if self.model.compile_scope == "blocks" else None
             compile_denoiser(module, backend=self.model.compile_backend, mode=self.model.compile_mode, cache_dir=self.model.compile_cache_dir, blocks=blocks)
+            # CUDA graphs: one graph-tree step per prediction (both CFG branches, every block), see ModelAdapter.predict
+            self.adapter.cudagraph_steps = self.model.compile_mode == "reduce-overhead"
         o, total = self.optim, self.total_steps
         self.optimizer = torch.optim.AdamW(self.trainable_parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
         lr_factor(0, o, total)  # validate the schedule before any work
