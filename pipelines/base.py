@@ -113,6 +113,15 @@ def resize_sources(prompts: Sequence, height: int, width: int) -> list:
     return out
 
 
+def check_source_images(adapter, prompts: list[str], images: torch.Tensor | None) -> None:
+    """One-line ``ValueError`` unless ``images`` are an editing ``adapter``'s float sources ``[len(prompts), 3, H, W]``
+    with ``H, W`` multiples of its VAE factor × 2 (the packing)."""
+    if images is None or not images.is_floating_point() or images.ndim != 4 or tuple(images.shape[:2]) != (len(prompts), 3):
+        got = "None" if images is None else f"{images.dtype} {tuple(images.shape)}"
+        raise ValueError(f"{adapter.family} edits images: encode_prompts needs float source images [{len(prompts)}, 3, H, W] in [0, 1], one per prompt; got {got}")
+    adapter._check_size(images.shape[-2], images.shape[-1], adapter.vae_factor * 2)
+
+
 class ModelAdapter(abc.ABC):
     """One model family over diffusers components.
 

@@ -19,14 +19,15 @@ conditionings of the real shape. They run once per prompt (the embeddings are ca
 be dropped: ``drop_text_encoders``), so their depth does not enter rollout or training; a real run loads
 the real encoders from ``model.path``.
 
-Transformer parameters (counted on ``meta``, ``tests/test_shapes.py``): Qwen-Image 20.43 B, Wan2.1-T2V-14B
-14.29 B, FLUX.1-dev 11.90 B, SD3.5-Large 8.06 B, SD3.5-Medium 2.24 B, Wan2.1-T2V-1.3B 1.42 B.
+Transformer parameters (counted on ``meta``, ``tests/test_shapes.py``): Qwen-Image (and Qwen-Image-Edit) 20.43 B,
+Wan2.1-T2V-14B 14.29 B, FLUX.1-dev (and FLUX.1-Kontext-dev) 11.90 B, SD3.5-Large 8.06 B, SD3.5-Medium 2.24 B,
+Wan2.1-T2V-1.3B 1.42 B.
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -95,8 +96,23 @@ SHAPES: dict[str, Shape] = {
         {"umt5": 4096}, 512, 1.42, "Wan-AI/Wan2.1-T2V-1.3B-Diffusers transformer/config.json, vae/config.json",
     ),
 }
+# the editing models run their text-to-image parent's transformer and VAE configs
+SHAPES["qwen_image_edit"] = replace(
+    SHAPES["qwen_image"], name="qwen_image_edit", family="qwen_image_edit",
+    source="Qwen/Qwen-Image-Edit transformer/config.json, vae/config.json (Qwen-Image's)",
+)
+SHAPES["flux_kontext"] = replace(
+    SHAPES["flux_dev"], name="flux_kontext", family="flux_kontext",
+    source="black-forest-labs/FLUX.1-Kontext-dev transformer/config.json (FLUX.1-dev's)",
+)
+# an editing model's published shape → its text-to-image parent's (the same transformer and VAE configs): the
+# editing adapters build through their parent's builder
+PARENT_SHAPES = {"qwen_image_edit": "qwen_image", "flux_kontext": "flux_dev"}
 # ``shape=full``: each family's flagship
-FULL = {"sd3": "sd35_large", "flux": "flux_dev", "qwen_image": "qwen_image", "wan": "wan21_14b"}
+FULL = {
+    "sd3": "sd35_large", "flux": "flux_dev", "qwen_image": "qwen_image", "wan": "wan21_14b",
+    "qwen_image_edit": "qwen_image_edit", "flux_kontext": "flux_kontext",
+}
 
 
 def shape_names(family: str) -> list[str]:
@@ -131,6 +147,13 @@ def family_components(family: str, *, path, shape: str, seed: int, device: str, 
     return tiny(seed) if spec is None else build(seed, spec, device, dtype)
 
 
+def parent_shape(family: str, shape: str) -> str:
+    """The shape name under which an editing ``family``'s text-to-image parent builds ``shape``: ``tiny`` stays
+    ``tiny``, a published editing shape (or ``full``) maps through :data:`PARENT_SHAPES`."""
+    spec = resolve_shape(family, shape)
+    return "tiny" if spec is None else PARENT_SHAPES[spec.name]
+
+
 def plain(config: dict) -> dict:
     """A config with tuples as lists (the diffusers VAE classes take lists)."""
     return {k: list(v) if isinstance(v, tuple) else v for k, v in config.items()}
@@ -163,4 +186,7 @@ def t5_config(base: dict, width: int) -> dict:
     return dict(base, d_model=width, d_kv=64, num_heads=8, d_ff=1024)
 
 
-__all__ = ["FULL", "SHAPES", "SD3_FLUX_VAE", "Shape", "building", "check_shape_path", "clip_config", "family_components", "plain", "resolve_shape", "shape_names", "t5_config"]
+__all__ = [
+    "FULL", "PARENT_SHAPES", "SHAPES", "SD3_FLUX_VAE", "Shape", "building", "check_shape_path", "clip_config", "family_components", "parent_shape",
+    "plain", "resolve_shape", "shape_names", "t5_config",
+]

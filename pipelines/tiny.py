@@ -1,12 +1,16 @@
 """Tiny random configurations shared by the families' offline test builds (no weights, no downloads).
 
 Tokenizers are built in code (a byte-level CLIP tokenizer, a character-level T5 tokenizer); the text
-encoders and the VAE are seeded random modules small enough for CPU tests.
+encoders and the VAE are seeded random modules small enough for CPU tests. The editing families' built-in
+prompts are synthetic: seeded coloured shapes on plain backgrounds with colour instructions
+(:func:`tiny_edit_prompts`).
 """
 
 from __future__ import annotations
 
 import torch
+
+from pipelines.base import EditPrompt
 
 # the prompt set of the tiny configurations (``default_prompts`` of sd15, sd3, flux, …)
 TINY_PROMPTS = ["a cat", "a dog", "a horse", "a rabbit", "a monkey", "a bird", "a fish", "a lion"]
@@ -92,3 +96,39 @@ def build_tiny_t5(seed: int, vocab_size: int):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return T5EncoderModel(T5Config(vocab_size=vocab_size, **TINY_T5))
+
+
+# the editing families' built-in prompts: (instruction, shape, shape colour, background colour) per source
+TINY_EDIT_COLOURS = {
+    "red": (220, 40, 40), "green": (40, 180, 60), "blue": (40, 70, 220), "yellow": (230, 210, 40),
+    "white": (245, 245, 245), "black": (15, 15, 15), "grey": (128, 128, 128),
+}
+TINY_EDITS = [
+    ("make it blue", "disc", "red", "white"), ("make it red", "square", "green", "grey"),
+    ("make the background black", "diamond", "yellow", "white"), ("make it green", "disc", "blue", "yellow"),
+    ("make it yellow", "square", "red", "black"), ("make the background white", "disc", "green", "black"),
+    ("make it white", "diamond", "blue", "grey"), ("make it red", "disc", "yellow", "blue"),
+]
+
+
+def synthetic_source(shape: str, colour: str, background: str, size: int, generator: torch.Generator) -> torch.Tensor:
+    """A uint8 ``[3, size, size]`` image: one ``disc``, ``square`` or ``diamond`` of ``colour`` on ``background``,
+    its centre and radius (a quarter to a third of the side) drawn from ``generator``."""
+    radius = size * (0.25 + 0.08 * float(torch.rand((), generator=generator)))
+    cy, cx = (size / 2 + (torch.rand(2, generator=generator) - 0.5) * (size - 2 * radius)).tolist()
+    y, x = torch.meshgrid(torch.arange(size) + 0.5, torch.arange(size) + 0.5, indexing="ij")
+    dy, dx = (y - cy).abs(), (x - cx).abs()
+    inside = {"disc": dy**2 + dx**2 <= radius**2, "square": torch.maximum(dy, dx) <= radius * 0.8, "diamond": dy + dx <= radius * 1.2}[shape]
+    image = torch.tensor(TINY_EDIT_COLOURS[background], dtype=torch.uint8).view(3, 1, 1).repeat(1, size, size)
+    image[:, inside] = torch.tensor(TINY_EDIT_COLOURS[colour], dtype=torch.uint8).view(3, 1)
+    return image
+
+
+def tiny_edit_prompts(size: int = 32, seed: int = 0) -> list[EditPrompt]:
+    """The editing families' built-in prompts (:data:`TINY_EDITS`): an instruction and a seeded synthetic source
+    (:func:`synthetic_source`, ``size × size``) each; the same ``seed`` gives the same images."""
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        EditPrompt(instruction, synthetic_source(shape, colour, background, size, generator), name=f"{colour} {shape} on {background}")
+        for instruction, shape, colour, background in TINY_EDITS
+    ]

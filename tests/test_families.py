@@ -1,11 +1,13 @@
 """One adapter test suite over every model family (tiny random configurations, fp32, CPU).
 
-Each check runs on every family (digits, sd15, digits_eps, sd3, flux, wan, qwen_image): rollout ↔ training
-log-prob parity, batch invariance, guidance (no unconditional branch at guidance 1; CFG equals a manual
-two-pass; split and batched CFG agree in outputs and LoRA gradients; FLUX: guidance goes to the embedding),
-save → ``model.path`` reload, LoRA targets and the adapters-disabled reference.
+Each check runs on every family (digits, sd15, digits_eps, sd3, flux, wan, qwen_image and the editing families
+qwen_image_edit, flux_kontext, with their built-in source images): rollout ↔ training log-prob parity, batch
+invariance, guidance (no unconditional branch at guidance 1; CFG equals a manual two-pass; split and batched
+CFG agree in outputs and LoRA gradients; FLUX and Kontext: guidance goes to the embedding), save →
+``model.path`` reload, LoRA targets and the adapters-disabled reference.
 SD3 and FLUX are also checked against the diffusers pipelines (prompt embeddings, schedule, ODE sampling),
-and the tiny Flow-GRPO recipes of sd3, flux and sd15 train 2 steps through the CLI.
+and the tiny Flow-GRPO recipes of sd3, flux, sd15, qwen_image and the editing families train 2 steps through
+the CLI.
 """
 
 from __future__ import annotations
@@ -20,14 +22,16 @@ from helpers import make_engine
 from diffrl.config import SamplerConfig
 from diffrl.sampling.rollout import sample_trajectories
 from pipelines import build_adapter
+from pipelines.base import split_prompts
 from tests.conftest import randomise_lora
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
-FAMILIES = ["digits", "sd15", "digits_eps", "sd3", "flux", "wan", "qwen_image"]
-SIZE = {"digits": 16, "digits_eps": 16, "sd15": 32, "sd3": 32, "flux": 32, "wan": 32, "qwen_image": 32}
+FAMILIES = ["digits", "sd15", "digits_eps", "sd3", "flux", "wan", "qwen_image", "qwen_image_edit", "flux_kontext"]
+SIZE = {"digits": 16, "digits_eps": 16, "sd15": 32, "sd3": 32, "flux": 32, "wan": 32, "qwen_image": 32, "qwen_image_edit": 32, "flux_kontext": 32}
 EPSILON = {"sd15", "digits_eps"}
-CFG_FAMILIES = [f for f in FAMILIES if f != "flux"]  # FLUX.1-dev is guidance-distilled: no CFG
+DISTILLED = {"flux", "flux_kontext"}  # FLUX.1-dev and Kontext are guidance-distilled: the guidance embedding, no CFG
+CFG_FAMILIES = [f for f in FAMILIES if f not in DISTILLED]
 GUIDANCE = 3.0
 _BASE: dict[str, object] = {}
 
@@ -48,8 +52,21 @@ def settings(family: str, *, num_steps: int = 3, guidance_scale: float = 1.0, **
     )
 
 
-def prompts_of(adapter, n: int) -> list[str]:
+def prompts_of(adapter, n: int) -> list:
+    """The first ``n`` built-in prompts: strings, or an editing family's ``EditPrompt`` records (with sources)."""
     return list(adapter.default_prompts()[:n])
+
+
+def rollout(adapter, prompts: list, **kw):
+    """``sample_trajectories`` of prompt strings or ``EditPrompt`` records (their sources as ``source_images``)."""
+    texts, sources = split_prompts(prompts)
+    return sample_trajectories(adapter, texts, source_images=sources, **kw)
+
+
+def encode(adapter, prompts: list):
+    """The conditioning of prompt strings or ``EditPrompt`` records (their sources as float images in [0, 1])."""
+    texts, sources = split_prompts(prompts)
+    return adapter.encode(texts, None if sources is None else sources.float() / 255)
 
 
 def negative(cond):
@@ -98,18 +115,18 @@ class ForwardRecorder:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_rollout_training_parity_and_batch_invariance(family):
     adapter = build_adapter(family, path=None, seed=0)  # own copy: LoRA is attached
-    s = settings(family, guidance_scale=3.5 if family == "flux" else GUIDANCE)
+    s = settings(family, guidance_scale=3.5 if family in DISTILLED else GUIDANCE)
     engine = make_engine(adapter, s, lora_rank=4)
     engine.initialize()
     randomise_lora(engine.module, scale=0.02)
     p = prompts_of(adapter, 2)
     prompts = [p[0], p[0], p[1], p[1]]
-    td = sample_trajectories(adapter, prompts, settings=s, seeds=[5, 6, 7, 8])
+    td = rollout(adapter, prompts, settings=s, seeds=[5, 6, 7, 8])
     assert td["sde_mask"].all() and torch.isfinite(td["log_probs"]).all()
     # training recomputes the recorded log-probs exactly (same module, same batch composition)
     assert torch.equal(engine.infer_batch(td)["log_probs"], td["log_probs"])
     # a sample drawn alone equals the same sample drawn in the batch of 4
-    alone = sample_trajectories(adapter, prompts[2:3], settings=s, seeds=[7])
+    alone = rollout(adapter, prompts[2:3], settings=s, seeds=[7])
     # (batched matmuls may reorder fp32 sums: ~1e-5 differences after a few steps)
     torch.testing.assert_close(alone["latents"][0], td["latents"][2], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(alone["log_probs"][0], td["log_probs"][2], rtol=1e-4, atol=1e-4)
@@ -121,25 +138,26 @@ def test_rollout_training_parity_and_batch_invariance(family):
 def test_guidance_one_runs_no_uncond_branch_and_cfg_is_two_pass(family):
     adapter = base(family)
     p = prompts_of(adapter, 2)
-    cond = adapter.encode_prompts(p)
+    cond = encode(adapter, p)
     x = torch.randn(2, *adapter.latent_shape(SIZE[family], SIZE[family]), generator=torch.Generator().manual_seed(0))
     sigma = torch.full((2,), 0.6)
     with torch.no_grad(), ForwardRecorder(adapter.denoiser) as rec:
         out1 = adapter.predict(x, sigma, cond, 1.0)
         out3 = adapter.predict(x, sigma, cond, GUIDANCE)
-    if family == "flux":
+    if family in DISTILLED:
         # distilled guidance: one forward of batch B each time, the scale goes to the guidance embedding
         assert [b for b, _ in rec.calls] == [2, 2]
         assert torch.equal(rec.calls[0][1], torch.full((2,), 1.0)) and torch.equal(rec.calls[1][1], torch.full((2,), GUIDANCE))
         assert not torch.allclose(out1, out3, atol=1e-4)  # the embedding changes the output
-        assert set(cond.keys()) == {"prompt_embeds", "pooled_prompt_embeds"}  # no negative prompt is even encoded
+        # no negative prompt is even encoded (Kontext: plus the source's latents)
+        assert set(cond.keys()) == {"prompt_embeds", "pooled_prompt_embeds"} | ({"image_latents"} if family == "flux_kontext" else set())
         return
     # guidance 1: conditional only; > 1 with the default cfg_mode=split: an unconditional, then a conditional forward
     assert [b for b, _ in rec.calls] == [2, 2, 2]
     with torch.no_grad():
         uncond = adapter.predict(x, sigma, negative(cond), 1.0)
     expected = uncond + GUIDANCE * (out1 - uncond)
-    if family == "qwen_image":  # QwenImagePipeline's true CFG rescales to ‖cond‖ over each packed 2×2 token's channels
+    if family in ("qwen_image", "qwen_image_edit"):  # QwenImagePipeline's true CFG rescales to ‖cond‖ over each packed 2×2 token's channels
         from pipelines.latent import pack_latents, unpack_latents
 
         c, e = pack_latents(out1), pack_latents(expected)
@@ -159,7 +177,7 @@ def test_split_cfg_equals_batched_cfg_without_uncond_gradients(family):
         attach_lora(adapter)
         randomise_lora(adapter.denoiser, scale=0.05, seed=3)
         adapters[mode] = adapter
-    cond = adapters["split"].encode_prompts(prompts_of(adapters["split"], 2))
+    cond = encode(adapters["split"], prompts_of(adapters["split"], 2))
     x = torch.randn(2, *adapters["split"].latent_shape(SIZE[family], SIZE[family]), generator=torch.Generator().manual_seed(1))
     sigma = torch.tensor([0.8, 0.3])
     outs, grads, calls = {}, {}, []
@@ -197,12 +215,12 @@ def test_save_pretrained_then_model_path_reproduces_outputs(family, tmp_path):
     loaded = build_adapter(family, path=str(tmp_path / family))
     s = settings(family, num_steps=2, guidance_scale=2.0)
     p = prompts_of(adapter, 2)
-    a = sample_trajectories(adapter, p, settings=s, seeds=[1, 2])
-    b = sample_trajectories(loaded, p, settings=s, seeds=[1, 2])
+    a = rollout(adapter, p, settings=s, seeds=[1, 2])
+    b = rollout(loaded, p, settings=s, seeds=[1, 2])
     assert torch.equal(a["latents"], b["latents"]) and torch.equal(a["images"], b["images"])
     assert torch.equal(a["log_probs"], b["log_probs"])
     other = build_adapter(family, path=None, seed=1)  # different weights do give different samples
-    assert not torch.equal(sample_trajectories(other, p, settings=s, seeds=[1, 2])["latents"], a["latents"])
+    assert not torch.equal(rollout(other, p, settings=s, seeds=[1, 2])["latents"], a["latents"])
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -215,13 +233,13 @@ def test_lora_attaches_to_declared_modules_and_reference_equals_base(family):
     # every declared target is used somewhere, and nothing else of the denoiser trains
     assert all(any(n.endswith("." + m) for n in wrapped) for m in adapter.lora_target_modules)
     assert all("lora_" in n for n, p in engine.module.named_parameters() if p.requires_grad)
-    if family == "flux":  # the single-stream blocks' attention is wrapped too
+    if family in DISTILLED:  # the single-stream blocks' attention is wrapped too
         assert any(n.startswith("single_transformer_blocks.") and n.endswith("attn.to_q") for n in wrapped)
     randomise_lora(engine.module, scale=0.05)
     ref_adapter = base(family)
     n = 2
     x = torch.randn(n, *adapter.latent_shape(SIZE[family], SIZE[family]), generator=torch.Generator().manual_seed(0))
-    cond = adapter.encode_prompts(prompts_of(adapter, n))
+    cond = encode(adapter, prompts_of(adapter, n))
     sigma = torch.full((n,), 0.7)
     with torch.no_grad():
         reference_base = ref_adapter.predict(x, sigma, cond, 1.0)
@@ -385,7 +403,7 @@ def test_missing_folder_or_component_is_named(family, tmp_path):
 # ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("family", ["sd3", "flux", "sd15", "qwen_image"])
+@pytest.mark.parametrize("family", ["sd3", "flux", "sd15", "qwen_image", "qwen_image_edit", "flux_kontext"])
 def test_tiny_flow_grpo_recipe_trains_two_steps(family, tmp_path):
     from diffrl.tools.cli import main
 
@@ -403,3 +421,5 @@ def test_tiny_flow_grpo_recipe_trains_two_steps(family, tmp_path):
     losses = [v for r in train for k, v in r.items() if "loss" in k and isinstance(v, (int, float))]
     assert losses and all(math.isfinite(v) for v in losses)
     assert all(math.isfinite(r["reward/jpeg_compressibility"]) for r in train if "reward/jpeg_compressibility" in r)
+    if family in ("qwen_image_edit", "flux_kontext"):  # the built-in sources reached the source-aware reward
+        assert all(-1.0 <= r["reward/source_similarity_mean"] <= 1.0 for r in train)  # SSIM, finite

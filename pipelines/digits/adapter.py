@@ -63,26 +63,27 @@ class DigitsAdapter(ModelAdapter):
         "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",
     ]
 
+    # what the error messages name (a subclass over another shipped folder overrides them)
+    folder_name = "digits"
+    pretrain_script = "scripts/pretrain_digits.py"
+
     def __init__(self, path: str | None = None, dtype: str = "float32", device: str = "cpu", seed: int = 0, cfg_mode: str = "split"):
         dtype_ = torch_dtype(dtype)
         self.cfg_mode = check_cfg_mode(cfg_mode)
         if path is None:
-            transformer = build_transformer(seed)
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(seed + 1)
-                text_encoder = DigitsTextEncoder()
+            transformer, text_encoder = self.random_transformer(seed), self.random_text_encoder(seed + 1)
         else:
             from diffusers import SD3Transformer2DModel
 
             folder = Path(path)
+            name, script = self.folder_name, self.pretrain_script
             if not folder.is_dir():
                 raise FileNotFoundError(
-                    f"digits model folder {folder} does not exist; set model.path to a folder made by "
-                    "`python scripts/pretrain_digits.py` (the shipped one is assets/digits)"
+                    f"{name} model folder {folder} does not exist; set model.path to a folder made by `python {script}` (the shipped one is assets/{name})"
                 )
-            for part in ("transformer/config.json", "transformer/diffusion_pytorch_model.safetensors"):
+            for part in ("transformer/config.json", "transformer/diffusion_pytorch_model.safetensors", "text_encoder/model.safetensors"):
                 if not (folder / part).is_file():
-                    raise FileNotFoundError(f"digits model file {folder / part} is missing")
+                    raise FileNotFoundError(f"{name} model file {folder / part} is missing; rerun `python {script} --out {folder}`")
             transformer = SD3Transformer2DModel.from_pretrained(str(folder / "transformer"), local_files_only=True)
             text_encoder = DigitsTextEncoder.from_pretrained(folder / "text_encoder")
         transformer = transformer.to(device)
@@ -90,6 +91,16 @@ class DigitsAdapter(ModelAdapter):
             transformer = transformer.to(dtype=dtype_)
         self.denoiser = transformer
         self.text_encoder = text_encoder.to(device).eval().requires_grad_(False)
+
+    @staticmethod
+    def random_transformer(seed: int):
+        return build_transformer(seed)
+
+    @staticmethod
+    def random_text_encoder(seed: int) -> DigitsTextEncoder:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return DigitsTextEncoder()
 
     # -- protocol -----------------------------------------------------------------------------
     def encode_prompts(self, prompts: list[str]) -> TensorDict:
