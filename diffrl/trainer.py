@@ -52,7 +52,7 @@ from diffrl.sampling.evaluation import (
 )
 from diffrl.sampling.schedules import TrainingWindow
 from diffrl.sampling.seeding import Stream, derive
-from pipelines.base import split_prompts
+from pipelines.base import family_class, split_prompts
 from rewards.base import RewardError, build_reward, score
 
 
@@ -181,6 +181,9 @@ class Trainer:
         if t.rollout_replicas and cfg.model.lora.rank == 0 and self.algorithm.needs_old_policy:
             raise ValueError(f"trainer.rollout_replicas={t.rollout_replicas} with full fine-tuning (model.lora.rank=0) cannot sync {self.algorithm.name}'s "
                              "old policy (a frozen copy on the actor); train a LoRA or set trainer.rollout_replicas=0")
+        if getattr(self.algorithm.config, "preference_pairs", None) and getattr(family_class(cfg.model.family), "editing", False):
+            raise ValueError(f"algorithm.preference_pairs (offline DPO pairs) has no source images, and model family {cfg.model.family!r} edits images; "
+                             "train it with online pairs (unset algorithm.preference_pairs) or another algorithm")
         self.resume_path, self.damaged, self.notices = None, [], []
         self.restart_from_scratch = False
         metrics = self.output_dir / "metrics.jsonl"

@@ -13,7 +13,9 @@ from tensordict import TensorDict
 
 from diffrl.config import SamplerConfig
 from diffrl.data import check_edit_prompts, read_edit_records, read_prompts
+from diffrl.recipes import compose
 from diffrl.sampling.rollout import sample_trajectories
+from diffrl.trainer import Trainer
 from pipelines.base import EditPrompt, resize_sources, split_prompts
 from pipelines.digits.adapter import DigitsAdapter
 from rewards.base import Reward, RewardError, build_reward, call_reward, score
@@ -102,6 +104,16 @@ def test_split_resize_and_family_checks():
     with pytest.raises(ValueError, match="'digits' is text-to-image; use an editing family"):
         check_edit_prompts([a], "digits", sampler)
 
+
+
+def test_offline_dpo_pairs_on_an_editing_family_fail_before_anything_is_written(tmp_path):
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("")  # never read: the check comes first
+    cfg = compose(["experiment=digits_edit_nft", "algorithm.name=dpo", "algorithm.trainer=preference", f"algorithm.preference_pairs={pairs}",
+                   f"trainer.output_dir={tmp_path / 'run'}", "trainer.progress=false", "trainer.wandb=disabled"])
+    with pytest.raises(ValueError, match=r"offline DPO pairs\) has no source images, and model family 'digits_edit' edits images"):
+        Trainer(cfg)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 # -- rollout ------------------------------------------------------------------------------------------
 def test_rollout_encodes_each_prompt_source_pair_once_and_keeps_the_sources():
