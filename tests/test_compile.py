@@ -7,8 +7,10 @@ import torch
 from helpers import make_engine
 
 from diffrl.config import SamplerConfig
+from diffrl.engine.engine import GradModeDispatch
 from diffrl.sampling.rollout import sample_trajectories
 from diffrl.sampling.seeding import Stream, derive
+from pipelines.digits import DigitsAdapter
 from tests.conftest import randomise_lora
 
 
@@ -41,3 +43,43 @@ def test_compiled_engine_keeps_keys_and_log_prob_parity(single_thread):
     # principle 1 holds through the compiled module: recomputed log-probs equal the rollout's exactly
     assert torch.equal(compiled.infer_batch(td_c)["log_probs"], td_c["log_probs"])
     torch._dynamo.reset()
+
+
+def test_reduce_overhead_replays_graphs_only_without_gradients(single_thread):
+    """``compile_mode=reduce-overhead``: gradient-free calls (rollout, scoring) go to the CUDA-graph compile, training
+    forwards to the default-mode one; each prediction without gradients starts a graph-tree step; the log-prob parity
+    and the training step are those of the default mode."""
+    torch._dynamo.reset()
+    adapter = DigitsAdapter(path=None, seed=0)
+    settings = SamplerConfig(num_steps=3, kind="flow_sde", noise_level=0.7, guidance_scale=3.0)
+    engine = make_engine(adapter, settings, lora_rank=4, compile=True, compile_backend="aot_eager", compile_mode="reduce-overhead")
+    engine.initialize()
+    randomise_lora(engine.module)
+    dispatch = engine.module._compiled_call_impl
+    assert isinstance(dispatch, GradModeDispatch) and adapter.cudagraph_steps
+    calls = {"graphs": 0, "plain": 0}
+
+    def counted(name, fn):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return call
+
+    dispatch.graphs, dispatch.plain = counted("graphs", dispatch.graphs), counted("plain", dispatch.plain)
+    marks = []
+    real_mark = torch.compiler.cudagraph_mark_step_begin
+    torch.compiler.cudagraph_mark_step_begin = lambda: (marks.append(1), real_mark())
+    try:
+        prompts, seeds = ["a red seven", "a blue two"], [derive(0, Stream.ROLLOUT, 0, i, 0) for i in range(2)]
+        td = sample_trajectories(adapter, prompts, settings=settings, seeds=seeds)
+        # 3 steps × (conditional + unconditional) forwards, one graph-tree step per prediction
+        assert calls == {"graphs": 6, "plain": 0} and len(marks) == 3
+        assert torch.equal(engine.infer_batch(td)["log_probs"], td["log_probs"])
+        assert calls["plain"] == 0 and len(marks) == 6
+        with torch.enable_grad():
+            out = adapter.predict(td["latents"][:, 0], td["sigmas"][:, 0], td["cond"], 1.0)
+            out.float().pow(2).mean().backward()
+        assert calls["plain"] == 1 and len(marks) == 6  # the training forward: default-mode graphs, no step mark
+    finally:
+        torch.compiler.cudagraph_mark_step_begin = real_mark
+        torch._dynamo.reset()

@@ -55,7 +55,8 @@ def compile_denoiser(module: torch.nn.Module, *, backend: str = "inductor", mode
     Sets inductor's ``emulate_precision_casts`` (process-wide) for rollout/training log-prob parity.
 
     ``mode`` is ``torch.compile``'s (``default``; ``reduce-overhead`` replays CUDA graphs, which removes the
-    launch gaps of the rollout's step loop; ``max-autotune``). ``cache_dir`` becomes inductor's cache
+    launch gaps of the rollout's step loop, and here applies to gradient-free calls only (:class:`GradModeDispatch`);
+    ``max-autotune``). ``cache_dir`` becomes inductor's cache
     directory (``TORCHINDUCTOR_CACHE_DIR``, process-wide, kernels and FX graphs), so that a restarted run
     finds its compiled graphs there instead of compiling again.
 
@@ -80,7 +81,26 @@ def compile_denoiser(module: torch.nn.Module, *, backend: str = "inductor", mode
         Path(cache_dir).mkdir(parents=True, exist_ok=True)
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(cache_dir).resolve())
     for target in targets:
-        target.compile(backend=backend, dynamic=False, mode=None if mode in (None, "default") else mode)
+        if mode == "reduce-overhead":
+            # CUDA graphs where they pay: gradient-free calls (the rollout's step loop, reference and old-policy
+            # scoring) replay graphs; training forwards run default-mode graphs, since graph trees re-record across
+            # micro-batches and made the SD3.5-M update 9× slower (benchmarks/RESULTS.md)
+            target._compiled_call_impl = GradModeDispatch(
+                graphs=torch.compile(target._call_impl, backend=backend, dynamic=False, mode=mode),
+                plain=torch.compile(target._call_impl, backend=backend, dynamic=False),
+            )
+        else:
+            target.compile(backend=backend, dynamic=False, mode=None if mode in (None, "default") else mode)
+
+
+class GradModeDispatch:
+    """A module's compiled call that runs ``graphs`` without gradients and ``plain`` with them."""
+
+    def __init__(self, graphs, plain):
+        self.graphs, self.plain = graphs, plain
+
+    def __call__(self, *args, **kwargs):
+        return (self.plain if torch.is_grad_enabled() else self.graphs)(*args, **kwargs)
 
 
 class DiffusionEngine:
