@@ -39,7 +39,7 @@ from typing import Any, Callable
 import torch
 
 _REGISTRY: dict[str, type] = {}
-_BUILTIN_MODULES = ("rewards.digits", "rewards.jpeg", "rewards.ocr", "rewards.clip_models", "rewards.remote", "rewards.vlm_judge", "rewards.edit")
+_BUILTIN_MODULES = ("rewards.digits", "rewards.jpeg", "rewards.ocr", "rewards.clip_models", "rewards.remote", "rewards.vlm_judge", "rewards.edit", "rewards.geneval")
 ENTRY_POINT_GROUP = "diffrl.rewards"
 INPUT_KINDS = ("uint8", "pil")
 
