@@ -39,7 +39,9 @@ from typing import Any, Callable
 import torch
 
 _REGISTRY: dict[str, type] = {}
-_BUILTIN_MODULES = ("rewards.digits", "rewards.jpeg", "rewards.ocr", "rewards.clip_models", "rewards.remote", "rewards.vlm_judge", "rewards.edit", "rewards.geneval")
+_BUILTIN_MODULES = (
+    "rewards.digits", "rewards.jpeg", "rewards.ocr", "rewards.clip_models", "rewards.remote", "rewards.vlm_judge", "rewards.edit", "rewards.geneval", "rewards.image_reward",
+)
 ENTRY_POINT_GROUP = "diffrl.rewards"
 INPUT_KINDS = ("uint8", "pil")
 
