@@ -41,6 +41,7 @@ import torch
 _REGISTRY: dict[str, type] = {}
 _BUILTIN_MODULES = (
     "rewards.digits", "rewards.jpeg", "rewards.ocr", "rewards.clip_models", "rewards.remote", "rewards.vlm_judge", "rewards.edit", "rewards.geneval", "rewards.image_reward",
+    "rewards.hpsv3",
 )
 ENTRY_POINT_GROUP = "diffrl.rewards"
 INPUT_KINDS = ("uint8", "pil")
