@@ -17,11 +17,12 @@ import torch
 
 from rewards.base import Reward, register_reward
 from rewards.digits.classifiers import DigitsClassifier
+from rewards.digits.compose_judge import DigitsComposeGold
 from rewards.digits.data import ASSET_DIR, parse_prompt
 from rewards.digits.edit import DigitsEditGold, DigitsEditReward
 from rewards.digits.judge2 import DigitsGold2
 
-__all__ = ["DigitsEditGold", "DigitsEditReward", "DigitsGold", "DigitsGold2", "DigitsReward", "judge_correct"]
+__all__ = ["DigitsComposeGold", "DigitsEditGold", "DigitsEditReward", "DigitsGold", "DigitsGold2", "DigitsReward", "judge_correct"]
 
 
 def _targets(prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
