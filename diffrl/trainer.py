@@ -47,6 +47,7 @@ from diffrl.sampling.distribution import (
 )
 from diffrl.sampling.evaluation import (
     eval_prompts_and_seeds,
+    group_means,
     per_sample_scores,
     run_paired_change,
 )
@@ -335,6 +336,7 @@ class Trainer:
         images = self.workers.generate_sequences(request)["images"]
         scores = per_sample_scores(images, prompts, self.eval_metrics, sources)
         metrics = {f"eval/{name}": float(values.mean()) for name, values in scores.items()}
+        metrics.update(group_means(scores, prompts, self.eval_metrics))  # per task type, for rewards with groups()
         metrics.update(distribution_metrics(images, prompts, self.feature_space))  # diversity, near-duplicates, Fréchet
         self.logger.log_eval_samples(step, images, prompts, seeds, scores, samples_per_prompt=t.eval_seeds_per_prompt, max_grid_images=t.max_grid_images,
                                      source_images=sources)

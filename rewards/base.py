@@ -64,6 +64,9 @@ class Reward:
         video: ``True``: receives whole videos ``[B, F, 3, H, W]``; ``False``: videos are scored per frame
             and averaged over their frames (see the module docstring).
         needs_source: ``True``: an editing reward; receives ``source_images=`` (see the module docstring).
+
+    Optional method ``groups(prompts) -> list[str | None]``: each prompt's group (GenEval's task type, say);
+    evaluations then also report the reward's mean per group, ``eval/<name>/<group>``.
     """
 
     name: str = "reward"

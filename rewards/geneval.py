@@ -268,6 +268,17 @@ class GenEvalOwl(Reward):
             return list(metadata)
         return [parse_prompt(p) for p in prompts]
 
+    def groups(self, prompts: list[str]) -> list[str | None]:
+        """Each prompt's GenEval task type (``tag``), None where the prompt does not parse: evaluations report
+        the score per task type (``diffrl.sampling.evaluation.group_means``), GenEval's table."""
+        out: list[str | None] = []
+        for p in prompts:
+            try:
+                out.append(parse_prompt(p)["tag"])
+            except RewardError:
+                out.append(None)
+        return out
+
     def __call__(self, images: torch.Tensor, prompts: list[str], metadata: Any = None) -> dict[str, torch.Tensor]:
         if images.ndim != 4 or images.shape[1] != 3 or images.dtype != torch.uint8 or len(prompts) != images.shape[0]:
             raise RewardError(f"reward 'geneval': expected uint8 images [B, 3, H, W] and B prompts, got {images.dtype} {tuple(images.shape)} and {len(prompts)}")

@@ -9,9 +9,7 @@ import json
 import pytest
 import torch
 
-from diffrl.config import SamplerConfig
-from diffrl.sampling.evaluation import deterministic_settings, eval_prompts_and_seeds, score_images
-from diffrl.sampling.rollout import sample_trajectories
+from diffrl.sampling.evaluation import eval_prompts_and_seeds, evaluate, score_images
 from pipelines.digits_compose import COMPOSE_ASSET_DIR, DigitsComposeAdapter
 from rewards.base import build_reward, call_reward
 from rewards.digits.compose import (
@@ -65,8 +63,8 @@ def canvas(held, *objects):
     return to_uint8(render(list(objects), [held[d] for _, d, _ in objects]))
 
 
-def gold(images, prompts, name="digits_compose_gold"):
-    return call_reward(name, build_reward(name), torch.stack(images), prompts)[name]
+def gold(images, prompts):
+    return call_reward("digits_compose_gold", build_reward("digits_compose_gold"), torch.stack(images), prompts)["digits_compose_gold"]
 
 
 def test_gold_judge_closed_forms_per_task_type(held):
@@ -88,11 +86,14 @@ def test_gold_judge_closed_forms_per_task_type(held):
     ]
     prompts, images, expected = zip(*cases)
     assert gold(list(images), list(prompts)).tolist() == [float(e) for e in expected]
-    # the per-task-type judges: their mean over one call is that type's accuracy
-    for task in ("counting", "position"):
+    # per task type: the gold's groups are the prompts' tags, and the evaluation's group means are each type's accuracy
+    judge = build_reward("digits_compose_gold")
+    assert judge.groups(list(prompts)) == [tag(p) for p in prompts]
+    means = score_images(torch.stack(images), list(prompts), {"digits_compose_gold": judge})
+    for task in ("single_object", "counting", "color_attr", "position"):
         own = [e for p, e in zip(prompts, expected) if tag(p) == task]
-        value = gold(list(images), list(prompts), f"digits_compose_gold_{task}")
-        assert value.mean().item() == pytest.approx(sum(own) / len(own))
+        assert means[f"eval/digits_compose_gold/{task}"] == pytest.approx(sum(own) / len(own)), task
+    assert means["eval/digits_compose_gold"] == pytest.approx(sum(expected) / len(expected))
 
 
 def test_detection_merge_min_area_and_colour_rules(held):
@@ -145,21 +146,20 @@ def test_shipped_files_are_small_and_the_judge_is_independent():
 
 
 def _evaluate(adapter, prompts, seeds, num_steps, metrics):
-    settings = deterministic_settings(SamplerConfig(num_steps=num_steps, guidance_scale=1.0, height=32, width=32), "flow", num_steps)
-    return score_images(sample_trajectories(adapter, prompts, settings=settings, seeds=seeds)["images"], prompts, metrics)
+    return evaluate(adapter, prompts, seeds=seeds, num_steps=num_steps, guidance_scale=1.0, metrics=metrics, height=32, width=32)[0]
 
 
 def test_base_numbers_reproduce_and_are_weak_on_the_hard_types():
     adapter = DigitsComposeAdapter(path=str(COMPOSE_ASSET_DIR))
     prompts, seeds = eval_prompts_and_seeds(adapter.default_prompts(), 4, 1234)  # the trainer's evaluation
-    names = ["digits_compose", "digits_compose_gold", *(f"digits_compose_gold_{t}" for t in TASKS)]
-    scores = _evaluate(adapter, prompts, seeds, 10, {n: build_reward(n) for n in names})
+    scores = _evaluate(adapter, prompts, seeds, 10, {n: build_reward(n) for n in ("digits_compose", "digits_compose_gold")})
     base = json.loads((COMPOSE_ASSET_DIR / "metadata.json").read_text())["base"]
-    for name in names:
-        assert abs(scores[f"eval/{name}"] - base[name]) < 1e-6, name
+    assert set(scores) == {f"eval/{k}" for k in base} and len(base) == 2 + len(TASKS)
+    for key, value in base.items():
+        assert abs(scores[f"eval/{key}"] - value) < 1e-6, key
     assert scores["eval/digits_compose_gold"] <= 0.6  # room for RL
-    easy = min(base[f"digits_compose_gold_{t}"] for t in ("single_object", "colors"))
-    assert all(base[f"digits_compose_gold_{t}"] < easy for t in ("counting", "color_attr", "position"))
+    easy = min(base[f"digits_compose_gold/{t}"] for t in ("single_object", "colors"))
+    assert all(base[f"digits_compose_gold/{t}"] < easy for t in ("counting", "color_attr", "position"))
 
 
 # -- the recipe -------------------------------------------------------------------------------------------------
@@ -179,7 +179,7 @@ def test_recipe_trains_two_steps_and_evaluates_like_the_base_evaluation(tmp_path
     summary = json.loads((out / "summary.json").read_text())
     adapter = DigitsComposeAdapter(path=str(COMPOSE_ASSET_DIR))
     prompts, seeds = eval_prompts_and_seeds(adapter.default_prompts(), 1, 1234)
-    names = ["digits_compose", "digits_compose_gold", "digits_compose_gold_counting"]
-    expected = _evaluate(adapter, prompts, seeds, 2, {n: build_reward(n) for n in names})
+    expected = _evaluate(adapter, prompts, seeds, 2, {n: build_reward(n) for n in ("digits_compose", "digits_compose_gold")})
+    assert "eval/digits_compose_gold/counting" in expected
     for key, value in expected.items():
         assert summary["eval_before"][key] == pytest.approx(value, abs=1e-6), key

@@ -5,8 +5,9 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
-from diffrl.sampling.evaluation import paired_change
+from diffrl.sampling.evaluation import group_means, paired_change
 
 
 def rows(values, prompts=("a", "a", "b", "b"), seeds=(1, 2, 1, 2)):
@@ -38,3 +39,27 @@ def test_pairs_follow_prompt_and_seed_not_row_order():
 def test_different_seed_sets_are_refused():
     with pytest.raises(ValueError, match="different \\(prompt, seed\\) pairs"):
         paired_change(rows([0, 1, 2, 3]), rows([0, 1, 2, 3], seeds=(1, 2, 1, 3)), ["r"])
+
+
+class _Grouped:
+    """A metric whose groups are the prompts' first words (None for prompts starting with '?')."""
+
+    def groups(self, prompts):
+        return [None if p.startswith("?") else p.split()[0] for p in prompts]
+
+
+def test_group_means_are_the_means_over_each_groups_samples():
+    prompts = ["x a", "y a", "x b", "?", "y c", "x c"]
+    scores = {"m": torch.tensor([1.0, 0.0, 0.0, 5.0, 1.0, 1.0]), "plain": torch.ones(6)}
+    out = group_means(scores, prompts, {"m": _Grouped(), "plain": object()})
+    assert out == {"eval/m/x": pytest.approx(2 / 3), "eval/m/y": pytest.approx(0.5)}  # '?' counts in the overall mean only; 'plain' has no groups
+    assert list(out) == ["eval/m/x", "eval/m/y"]  # first-seen order
+
+
+def test_groups_of_the_wrong_length_are_refused():
+    class Short:
+        def groups(self, prompts):
+            return ["x"]
+
+    with pytest.raises(ValueError, match="returned 1 groups for 2 prompts"):
+        group_means({"m": torch.zeros(2)}, ["a", "b"], {"m": Short()})

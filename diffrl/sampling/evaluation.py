@@ -43,19 +43,51 @@ def deterministic_settings(settings: SamplerConfig, prediction_type: str, num_st
 
 def score_images(images: torch.Tensor, prompts: list[str], metrics: dict, source_images: torch.Tensor | None = None) -> dict[str, float]:
     """``{"eval/<name>": mean}`` of every metric (``name -> callable``, reward protocol) on ``images``,
-    each called as it declared (:func:`rewards.base.call_reward`: batch size, uint8 or PIL input, checks)."""
-    return {f"eval/{name}": float(values.mean()) for name, values in per_sample_scores(images, prompts, metrics, source_images).items()}
+    each called as it declared (:func:`rewards.base.call_reward`: batch size, uint8 or PIL input, checks),
+    and ``{"eval/<name>/<group>": mean}`` for the metrics that group prompts (:func:`group_means`)."""
+    scores = per_sample_scores(images, prompts, metrics, source_images)
+    return {**{f"eval/{name}": float(values.mean()) for name, values in scores.items()}, **group_means(scores, prompts, metrics)}
+
+
+def prompt_groups(metric, prompts: list[str]) -> list[str | None] | None:
+    """The group of each prompt (e.g. GenEval's task type) as ``metric.groups(prompts)`` gives it, or None when
+    the metric does not group prompts (the optional ``groups`` method of the reward protocol)."""
+    fn = getattr(metric, "groups", None)
+    if fn is None:
+        return None
+    groups = list(fn(list(prompts)))
+    if len(groups) != len(prompts):
+        raise ValueError(f"{type(metric).__name__}.groups returned {len(groups)} groups for {len(prompts)} prompts; it must return one group (or None) per prompt")
+    return groups
+
+
+def group_means(scores: dict[str, torch.Tensor], prompts: list[str], metrics: dict) -> dict[str, float]:
+    """``{"eval/<name>/<group>": mean over that group's samples}`` for every metric with a ``groups`` method
+    (GenEval's per-task-type table: overall = ``eval/<name>``, one row per task type), groups in first-seen
+    order; samples whose group is None count in the overall mean only."""
+    out: dict[str, float] = {}
+    for name, values in scores.items():
+        groups = prompt_groups(metrics[name], prompts)
+        if groups is None:
+            continue
+        for group in dict.fromkeys(g for g in groups if g is not None):
+            mask = torch.tensor([g == group for g in groups])
+            out[f"eval/{name}/{group}"] = float(values[mask].mean())
+    return out
 
 
 @torch.no_grad()
-def evaluate(adapter, prompts: list, *, seeds: list[int], num_steps: int, guidance_scale: float, metrics: dict, micro_batch_size: int | None = None) -> tuple[dict[str, float], torch.Tensor]:
+def evaluate(adapter, prompts: list, *, seeds: list[int], num_steps: int, guidance_scale: float, metrics: dict, micro_batch_size: int | None = None,
+             height: int | None = None, width: int | None = None) -> tuple[dict[str, float], torch.Tensor]:
     """Sample ``prompts`` (strings, or ``EditPrompt`` records of an editing model) deterministically
-    (:func:`deterministic_settings`) and average each metric.
+    (:func:`deterministic_settings`) at ``height × width`` (default: the sampler's) and average each metric
+    (per group too, see :func:`score_images`).
 
     Returns:
         ``({"eval/<name>": mean}, images uint8 [N, 3, H, W])``.
     """
-    settings = deterministic_settings(SamplerConfig(num_steps=num_steps, guidance_scale=guidance_scale), getattr(adapter, "prediction_type", "flow"), num_steps)
+    size = {k: v for k, v in (("height", height), ("width", width)) if v is not None}
+    settings = deterministic_settings(SamplerConfig(num_steps=num_steps, guidance_scale=guidance_scale, **size), getattr(adapter, "prediction_type", "flow"), num_steps)
     texts, sources = split_prompts(prompts)
     td = sample_trajectories(adapter, texts, settings=settings, seeds=seeds, micro_batch_size=micro_batch_size, source_images=sources)
     images = td["images"]

@@ -18,8 +18,9 @@ objects and the first ``count`` have the asked colour and stand in the asked rel
 GenEval's 0.1 margin) to the target clause's objects; counting prompts also exclude ``count + 1``, so
 counts are exact.
 
-Rewards (evaluation only): ``digits_compose_gold`` ∈ {0, 1} per canvas (all clauses hold), and one judge per
-task type, ``digits_compose_gold_<task>`` (see :class:`DigitsComposeGoldTask` for how its mean reads).
+Reward (evaluation only): ``digits_compose_gold`` ∈ {0, 1} per canvas (all clauses hold). Its ``groups`` method
+gives each prompt's task type, so every evaluation also reports ``eval/digits_compose_gold/<task>``, GenEval's
+per-task table (``diffrl.sampling.evaluation.group_means``).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rewards.base import Reward, register_reward
-from rewards.digits.compose import CANVAS, COMPOSE_ASSET_DIR, DIGIT_SIZE, TASKS, parse
+from rewards.digits.compose import CANVAS, COMPOSE_ASSET_DIR, DIGIT_SIZE, parse
 from rewards.digits.data import COLOUR_NAMES, DIGIT_WORDS
 from rewards.digits.io import JsonSafetensorsMixin
 from rewards.digits.judge2 import PALETTE
@@ -148,41 +149,6 @@ class DigitsComposeGold(Reward):
     def __call__(self, images: torch.Tensor, prompts: list[str], metadata=None) -> dict[str, torch.Tensor]:
         return {self.name: judge_canvases(self.model, images.cpu(), list(prompts)).float()}
 
-
-class DigitsComposeGoldTask(DigitsComposeGold):
-    """Gold of one task type, as a judge whose **mean over one call** is that type's gold accuracy.
-
-    The trainer averages every judge over all evaluation samples in one call (``per_sample_scores`` on the
-    whole evaluation set). So that this mean reads as the task type's accuracy without NaNs, a sample of this
-    type scores ``gold · B / n_task`` (``B`` samples in the call, ``n_task`` of this type) and every other
-    sample 0; with no sample of this type all are 0. Per-sample values are therefore not accuracies (use
-    ``digits_compose_gold`` and :func:`rewards.digits.compose.tag` for per-sample work); ``scale`` is unbounded.
-    """
-
-    task = ""
-    scale = None
-    unit = "accuracy of one task type, as the mean over one call"
-
-    def __call__(self, images: torch.Tensor, prompts: list[str], metadata=None) -> dict[str, torch.Tensor]:
-        own = torch.tensor([parse(p)["tag"] == self.task for p in prompts])
-        gold = judge_canvases(self.model, images.cpu(), list(prompts)).float()
-        n = int(own.sum())
-        return {self.name: torch.where(own, gold * len(prompts) / max(n, 1), torch.zeros_like(gold))}
-
-
-def _task_judge(task: str) -> type:
-    cls = type(f"DigitsComposeGold_{task}", (DigitsComposeGoldTask,), {"task": task, "__doc__": f"Gold accuracy on {task} prompts (see DigitsComposeGoldTask)."})
-    return register_reward(f"digits_compose_gold_{task}")(cls)
-
-
-TASK_JUDGES = {task: _task_judge(task) for task in TASKS}
-
-
-def gold_by_task(rows: list[dict], gold: str = "digits_compose_gold") -> dict[str, float]:
-    """Per-sample evaluation rows (``images/eval_step_N.jsonl``: ``prompt`` and ``gold``) → ``{"overall", <task>: mean}``."""
-    out = {"overall": float(np.mean([r[gold] for r in rows]))}
-    for task in TASKS:
-        vals = [r[gold] for r in rows if parse(r["prompt"])["tag"] == task]
-        if vals:
-            out[task] = float(np.mean(vals))
-    return out
+    def groups(self, prompts: list[str]) -> list[str]:
+        """Each prompt's GenEval task type (:func:`rewards.digits.compose.tag`): the evaluation reports the gold per type."""
+        return [parse(p)["tag"] for p in prompts]
