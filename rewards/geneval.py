@@ -94,6 +94,8 @@ def parse_prompt(prompt: str) -> dict:
     """
     text = re.sub(r"\s+", " ", prompt.strip().lower().rstrip("."))
     text = re.sub(r"^(a photo of|an image of|a picture of) ", "", text)
+    if "," in text:  # "a cat, a dog and a car": GenEval's forms join at most two objects, with "and" or a relation
+        raise RewardError(f"reward 'geneval': {prompt!r} lists objects with commas (GenEval's forms name at most two); pass GenEval metadata rows as metadata")
     for rel in RELATIONS:
         parts = text.split(f" {rel} ")
         if len(parts) == 2:

@@ -4,8 +4,9 @@
     python scripts/pretrain_digits_compose.py --out assets/digits_compose        # then the generator
 
 The shipped base is this script's defaults with ``--eval-every 500``: 4000 steps of batch 64 with balanced task
-weights, EMA 0.999 of the weights evaluated and saved; 917 s on the 2-core work machine, about 60 s of it in the
-8 evaluations (``metadata.json`` holds the history). ``--max-minutes`` stops on wall time instead (machine
+weights, EMA 0.999 of the weights evaluated and saved; 928 s on the 2-core work machine, about 65 s of it in the
+9 evaluations (``metadata.json`` holds the history). Evaluations do not change the weights
+(``tests/test_digits_compose.py``), so the defaults (4 evaluations) give the same base in about 15 minutes. ``--max-minutes`` stops on wall time instead (machine
 dependent); ``--device cuda`` and ``--snapshots`` serve sweeps (``benchmarks/compose_sweep.py``).
 
 Seeded end to end (``--seed``; ≤ 15 CPU minutes). Steps:

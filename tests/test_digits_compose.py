@@ -183,3 +183,23 @@ def test_recipe_trains_two_steps_and_evaluates_like_the_base_evaluation(tmp_path
     assert "eval/digits_compose_gold/counting" in expected
     for key, value in expected.items():
         assert summary["eval_before"][key] == pytest.approx(value, abs=1e-6), key
+
+
+def test_pretraining_weights_do_not_depend_on_how_often_it_evaluates(tmp_path):
+    """The shipped base was made with --eval-every 500; the defaults evaluate less often and must give the same weights."""
+    import hashlib
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    digests = []
+    for every in (3, 6):
+        out = tmp_path / f"every{every}"
+        cmd = [sys.executable, "scripts/pretrain_digits_compose.py", "--out", str(out), "--judge", str(COMPOSE_ASSET_DIR / "judge"),
+               "--max-steps", "6", "--batch-size", "4", "--eval-every", str(every), "--threads", "1"]
+        subprocess.run(cmd, cwd=repo, check=True, capture_output=True)
+        meta = json.loads((out / "metadata.json").read_text())
+        assert [h["step"] for h in meta["generator"]["history"]] == list(range(every, 7, every))
+        digests.append([hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(out.glob("*/*.safetensors"))])
+    assert len(digests[0]) == 2 and digests[0] == digests[1]

@@ -126,5 +126,7 @@ def test_the_tiny_random_detector_runs_end_to_end_through_the_registry():
 
 def test_groups_are_genevals_task_types(reward):
     prompts = ["a photo of a cat", "a photo of a red car", "a photo of three dogs", "a photo of a cat and a dog",
-               "a photo of a red car and a blue bench", "a photo of a dog left of a cat", "a photo of a cat and a dog and a car"]
-    assert reward.groups(prompts) == ["single_object", "colors", "counting", "two_object", "color_attr", "position", None]
+               "a photo of a red car and a blue bench", "a photo of a dog left of a cat", "a photo of a cat and a dog and a car", "a photo of a cat, a dog and a car"]
+    assert reward.groups(prompts) == ["single_object", "colors", "counting", "two_object", "color_attr", "position", None, None]
+    with pytest.raises(RewardError, match="lists objects with commas"):
+        parse_prompt("a photo of a cat, a dog and a car")
