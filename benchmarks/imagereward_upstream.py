@@ -106,7 +106,7 @@ def ours(out: Path) -> None:
     ref = json.loads((out / "upstream.json").read_text())
     report = {"prompts": PROMPTS}
     for name, theirs in ref["scores"].items():
-        mine = reward(torch.load(out / f"images_{name}.pt"), PROMPTS)["imagereward"].tolist()
+        mine = reward(torch.load(out / f"images_{name}.pt", weights_only=True), PROMPTS)["imagereward"].tolist()
         diff = max(abs(a - b) for a, b in zip(mine, theirs))
         report[name] = {"upstream": theirs, "diffrl": mine, "max_abs_diff": diff, "score_spread": max(theirs) - min(theirs)}
     (out / "parity.json").write_text(json.dumps(report, indent=1))

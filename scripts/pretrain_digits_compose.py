@@ -93,7 +93,9 @@ def ema_weights(params: list[torch.Tensor], ema: list[torch.Tensor] | None):
             torch._foreach_copy_([p.data for p in params], saved)
 
 
-def train(metrics: dict, args, log) -> tuple[DigitsComposeAdapter, dict]:
+def train(metrics: dict, args, log) -> tuple[DigitsComposeAdapter, dict, dict | None]:
+    """The trained adapter (EMA weights when ``--ema``), the history, and the last evaluation's full-precision scores
+    when it ran at the final step (the saved weights' own evaluation; None otherwise)."""
     intensity, labels = load_digits_12()
     train_idx = split_indices(len(labels), PRETRAIN_SPLIT_SEED)[0]
     intensity, labels = intensity[train_idx], labels[train_idx]
@@ -116,7 +118,7 @@ def train(metrics: dict, args, log) -> tuple[DigitsComposeAdapter, dict]:
     g = torch.Generator().manual_seed(args.seed)
     weights = torch.tensor([float(w) for w in args.task_weights.split(",")])
     held = {p for p in default_prompts() if tag(p) != "single_object"}  # the 10 single-object prompts are all of them
-    history, t0, step = [], time.time(), 0
+    history, t0, step, scores, scored_at = [], time.time(), 0, None, -1
     for step in range(1, args.max_steps + 1):
         prompts, canvases = make_batch(intensity, labels, args.batch_size, weights, held, g)
         drop = torch.rand(args.batch_size, generator=g) < args.cond_dropout
@@ -140,7 +142,7 @@ def train(metrics: dict, args, log) -> tuple[DigitsComposeAdapter, dict]:
         if step % args.eval_every == 0 or minutes >= args.max_minutes:
             model.eval(); te.eval()
             with ema_weights(params, ema):
-                scores = evaluate_base(adapter, metrics)
+                scores, scored_at = evaluate_base(adapter, metrics), step
                 if args.snapshots:  # every evaluated step's weights, for sweeps (benchmarks/compose_sweep.py)
                     adapter.save_pretrained(Path(args.out) / "snapshots" / f"step_{step:06d}")
             model.train(); te.train()
@@ -153,7 +155,7 @@ def train(metrics: dict, args, log) -> tuple[DigitsComposeAdapter, dict]:
     if ema is not None:
         with torch.no_grad():
             torch._foreach_copy_([p.data for p in params], ema)
-    return adapter, {"steps": step, "history": history, "seconds": round(time.time() - t0, 1)}
+    return adapter, {"steps": step, "history": history, "seconds": round(time.time() - t0, 1)}, scores if scored_at == step else None
 
 
 def main(argv=None) -> None:
@@ -188,9 +190,9 @@ def main(argv=None) -> None:
         lines.append(line)
 
     metrics = {"digits_compose": build_reward("digits_compose"), "digits_compose_gold": build_reward("digits_compose_gold", path=str(judge))}
-    adapter, gen_meta = train(metrics, args, log)
+    adapter, gen_meta, last = train(metrics, args, log)
     adapter.save_pretrained(out)
-    base = evaluate_base(adapter, metrics)
+    base = last if last is not None else evaluate_base(adapter, metrics)
     judge_meta = json.loads((judge / "metadata.json").read_text()) if (judge / "metadata.json").is_file() else None
     meta = {"args": vars(args), "pretrain_split_seed": PRETRAIN_SPLIT_SEED, "reward_classifier": "assets/digits/reward_classifier",
             "judge": judge_meta, "generator": gen_meta, "base": base}

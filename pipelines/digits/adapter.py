@@ -35,13 +35,6 @@ TRANSFORMER_CONFIG = dict(
     pos_embed_max_size=16,
 )
 
-def build_transformer(seed: int = 0):
-    from diffusers import SD3Transformer2DModel
-
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return SD3Transformer2DModel(**TRANSFORMER_CONFIG)
-
 
 @register_family("digits")
 class DigitsAdapter(ModelAdapter):
@@ -66,6 +59,9 @@ class DigitsAdapter(ModelAdapter):
     # what the error messages name (a subclass over another shipped folder overrides them)
     folder_name = "digits"
     pretrain_script = "scripts/pretrain_digits.py"
+    # the architecture of the random configuration (path=None): transformer config and DigitsTextEncoder arguments
+    transformer_config: dict = TRANSFORMER_CONFIG
+    text_encoder_args: dict = {}
 
     def __init__(self, path: str | None = None, dtype: str = "float32", device: str = "cpu", seed: int = 0, cfg_mode: str = "split"):
         dtype_ = torch_dtype(dtype)
@@ -92,15 +88,19 @@ class DigitsAdapter(ModelAdapter):
         self.denoiser = transformer
         self.text_encoder = text_encoder.to(device).eval().requires_grad_(False)
 
-    @staticmethod
-    def random_transformer(seed: int):
-        return build_transformer(seed)
+    @classmethod
+    def random_transformer(cls, seed: int):
+        from diffusers import SD3Transformer2DModel
 
-    @staticmethod
-    def random_text_encoder(seed: int) -> DigitsTextEncoder:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            return DigitsTextEncoder()
+            return SD3Transformer2DModel(**cls.transformer_config)
+
+    @classmethod
+    def random_text_encoder(cls, seed: int) -> DigitsTextEncoder:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return DigitsTextEncoder(**cls.text_encoder_args)
 
     # -- protocol -----------------------------------------------------------------------------
     def encode_prompts(self, prompts: list[str]) -> TensorDict:

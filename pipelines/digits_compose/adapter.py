@@ -16,11 +16,9 @@ Latents are the canvases scaled to [-1, 1]: ``[B, 3, 32, 32]`` (set ``sampler.he
 
 from __future__ import annotations
 
-import torch
-
 from pipelines.base import register_family
 from pipelines.digits.adapter import DigitsAdapter
-from pipelines.digits.text_encoder import PAD, DigitsTextEncoder
+from pipelines.digits.text_encoder import PAD
 from rewards.digits.compose import CANVAS, MAX_WORDS, WORDS, default_prompts
 
 # the shipped generator's architecture; also the tiny random config used when no path is given
@@ -40,20 +38,6 @@ TRANSFORMER_CONFIG = dict(
 VOCAB = [PAD, *WORDS]
 
 
-def build_transformer(seed: int = 0):
-    from diffusers import SD3Transformer2DModel
-
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return SD3Transformer2DModel(**TRANSFORMER_CONFIG)
-
-
-def build_text_encoder(seed: int = 1) -> DigitsTextEncoder:
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return DigitsTextEncoder(vocab=VOCAB, max_length=MAX_WORDS)
-
-
 @register_family("digits_compose")
 class DigitsComposeAdapter(DigitsAdapter):
     """Adapter of the digits-compose miniature.
@@ -65,13 +49,8 @@ class DigitsComposeAdapter(DigitsAdapter):
     folder_name = "digits_compose"
     pretrain_script = "scripts/pretrain_digits_compose.py"
 
-    @staticmethod
-    def random_transformer(seed: int):
-        return build_transformer(seed)
-
-    @staticmethod
-    def random_text_encoder(seed: int) -> DigitsTextEncoder:
-        return build_text_encoder(seed)
+    transformer_config = TRANSFORMER_CONFIG
+    text_encoder_args = dict(vocab=VOCAB, max_length=MAX_WORDS)
 
     def default_prompts(self) -> list[str]:
         """The 60 built-in prompts, 10 per GenEval task type (``rewards.digits.compose.default_prompts``), held out of pretraining."""

@@ -22,7 +22,7 @@ from tensordict import TensorDict
 
 from pipelines.base import EditPrompt, register_family
 from pipelines.digits.adapter import DigitsAdapter
-from pipelines.digits.text_encoder import PAD, DigitsTextEncoder
+from pipelines.digits.text_encoder import PAD
 from pipelines.flops import mmdit_forward_flops
 from rewards.digits.edit import EDIT_WORDS, MAX_WORDS, edit_prompt_records
 
@@ -43,20 +43,6 @@ TRANSFORMER_CONFIG = dict(
 VOCAB = [PAD, *EDIT_WORDS]
 
 
-def build_transformer(seed: int = 0):
-    from diffusers import SD3Transformer2DModel
-
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return SD3Transformer2DModel(**TRANSFORMER_CONFIG)
-
-
-def build_text_encoder(seed: int = 1) -> DigitsTextEncoder:
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return DigitsTextEncoder(vocab=VOCAB, max_length=MAX_WORDS)
-
-
 @register_family("digits_edit")
 class DigitsEditAdapter(DigitsAdapter):
     """Adapter of the digits editing miniature (``editing = True``: prompts are :class:`EditPrompt` records).
@@ -73,13 +59,8 @@ class DigitsEditAdapter(DigitsAdapter):
         super().__init__(path, dtype=dtype, device=device, seed=seed, cfg_mode=cfg_mode)
         self._prompts: list[EditPrompt] | None = None
 
-    @staticmethod
-    def random_transformer(seed: int):
-        return build_transformer(seed)
-
-    @staticmethod
-    def random_text_encoder(seed: int) -> DigitsTextEncoder:
-        return build_text_encoder(seed)
+    transformer_config = TRANSFORMER_CONFIG
+    text_encoder_args = dict(vocab=VOCAB, max_length=MAX_WORDS)
 
     # -- protocol -----------------------------------------------------------------------------
     def encode_prompts(self, prompts: list[str], images: torch.Tensor | None = None) -> TensorDict:
