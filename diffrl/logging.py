@@ -42,6 +42,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from diffrl import wandb_file
@@ -86,6 +87,26 @@ def image_grid(images: torch.Tensor, *, columns: int | None = None, scale: int =
     if scale > 1:
         img = img.resize((img.width * scale, img.height * scale), Image.NEAREST)
     return img
+
+
+def grid_cells(grid, count: int, *, columns: int | None = None, scale: int = 1, padding: int = 1) -> torch.Tensor:
+    """The inverse of :func:`image_grid`: a grid image (PIL or uint8 ``[H, W, 3]``) of ``count`` cells → uint8
+    ``[count, 3, h, w]``, exactly the images it was drawn from (nearest upsampling loses nothing)."""
+    pixels = torch.from_numpy(np.array(grid.convert("RGB") if hasattr(grid, "convert") else grid)).permute(2, 0, 1)
+    columns = columns or math.ceil(math.sqrt(count))
+    rows = math.ceil(count / columns)
+    height, width = pixels.shape[1] / scale, pixels.shape[2] / scale
+    h, w = (height - padding) / rows - padding, (width - padding) / columns - padding
+    if not (h.is_integer() and w.is_integer() and h > 0 and w > 0):
+        raise ValueError(f"a {pixels.shape[2]}×{pixels.shape[1]} grid is not {count} cells in {columns} columns at scale {scale} with padding {padding}")
+    h, w = int(h), int(w)
+    small = pixels[:, ::scale, ::scale]
+    out = []
+    for i in range(count):
+        r, c = divmod(i, columns)
+        top, left = padding + r * (h + padding), padding + c * (w + padding)
+        out.append(small[:, top : top + h, left : left + w])
+    return torch.stack(out).contiguous()
 
 
 def middle_frames(images: torch.Tensor) -> torch.Tensor:

@@ -4,6 +4,7 @@ numbers, and a recipe through the CLI."""
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -14,6 +15,7 @@ from pipelines.digits_compose import COMPOSE_ASSET_DIR, DigitsComposeAdapter
 from rewards.base import build_reward, call_reward
 from rewards.digits.compose import (
     MAX_WORDS,
+    RULES,
     TASKS,
     WORDS,
     default_prompts,
@@ -21,12 +23,15 @@ from rewards.digits.compose import (
     load_digits_12,
     make_prompt,
     parse,
+    probability_clauses,
     render,
+    slot_relation,
+    soft_clauses,
     tag,
     to_uint8,
 )
 from rewards.digits.compose_judge import ComposeJudgeNet, detect_components
-from rewards.digits.data import ASSET_DIR, COLOUR_NAMES, split_indices
+from rewards.digits.data import ASSET_DIR, COLOUR_NAMES, DIGIT_WORDS, split_indices
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 RED, GREEN, BLUE = (COLOUR_NAMES.index(c) for c in ("red", "green", "blue"))
@@ -131,6 +136,65 @@ def test_training_reward_differs_from_the_judge(held):
     assert gold([off], ["a seven"]).item() == 1.0
     assert call_reward("digits_compose", reward, off[None], ["a seven"])["digits_compose"].item() < 0.5
 
+
+
+def _brute_force(meta: dict, occ: torch.Tensor, p_digit: torch.Tensor, p_colour: torch.Tensor) -> float:
+    """GenEval's rule, read by every object of a class, summed over every joint slot content (13⁴ for two clauses)."""
+    clauses = meta["include"]
+    options = [None] + [(k, c) for k in range(len(clauses)) for c in range(len(COLOUR_NAMES))]
+    total = 0.0
+    for state in itertools.product(range(len(options)), repeat=4):
+        prob, objects = 1.0, []
+        for slot, o in enumerate(state):
+            if options[o] is None:
+                prob *= 1 - sum(float(occ[slot] * p_digit[slot, DIGIT_WORDS.index(c["class"])]) for c in clauses)
+            else:
+                k, colour = options[o]
+                prob *= float(occ[slot] * p_digit[slot, DIGIT_WORDS.index(clauses[k]["class"])] * p_colour[slot, colour])
+                objects.append((slot, k, colour))
+        if meta["tag"] == "counting":
+            ok = len(objects) == clauses[0]["count"]
+        elif meta["tag"] == "position":
+            targets, objs = [s for s, k, _ in objects if k == 0], [s for s, k, _ in objects if k == 1]
+            ok = bool(targets and objs) and all(slot_relation(a, b, clauses[1]["position"][0]) for a in objs for b in targets)
+        else:
+            ok = all(any(k == j for _, k, _ in objects) and ("color" not in c or all(COLOUR_NAMES[col] == c["color"] for _, k, col in objects if k == j))
+                     for j, c in enumerate(clauses))
+        total += prob * ok
+    return total
+
+
+def test_probability_rule_is_genevals_rule_in_expectation_and_pays_nothing_for_hedging():
+    g = torch.Generator().manual_seed(0)
+    for prompt in ["a seven", "a green four", "three sevens", "a four left of a one", "a seven below a two", "a red two and a blue five", "a two and a five"]:
+        occ = 0.5 + 0.5 * torch.rand(4, generator=g)
+        p_digit, p_colour = (3 * torch.rand(4, 10, generator=g)).softmax(-1), (3 * torch.rand(4, 6, generator=g)).softmax(-1)
+        expected = _brute_force(parse(prompt), occ, p_digit, p_colour)
+        assert float(probability_clauses(parse(prompt), occ, p_digit, p_colour)) == pytest.approx(expected, rel=1e-4, abs=1e-9), prompt
+    # hedging: four ambiguous sevens (0.75 each) are "three sevens" for the soft rule, 4·0.75³·0.25 for the probability rule
+    sevens = torch.zeros(4, 10)
+    sevens[:, 7], sevens[:, 1] = 0.75, 0.25
+    colours = torch.full((4, 6), 1 / 6)
+    assert float(soft_clauses(parse("three sevens"), torch.ones(4), sevens, colours)) == 1.0
+    assert float(probability_clauses(parse("three sevens"), torch.ones(4), sevens, colours)) == pytest.approx(4 * 0.75**3 * 0.25, rel=1e-6)
+    # a sure green four next to a sure red four: "a green four" fully for the soft rule, 0 for the probability rule
+    fours, two_colours = torch.zeros(4, 10), torch.zeros(4, 6)
+    fours[:2, 4] = 1.0
+    two_colours[0, GREEN], two_colours[1, RED] = 1.0, 1.0
+    occ = torch.tensor([1.0, 1.0, 0.0, 0.0])
+    assert float(soft_clauses(parse("a green four"), occ, fours, two_colours)) == 1.0
+    assert float(probability_clauses(parse("a green four"), occ, fours, two_colours)) == 0.0
+    # a four left of the one (slot 0 | slot 1) and another below-right of it (slot 3): the soft rule takes the best
+    # pair, the probability rule asks every four to be left of the one (GenEval reads the most confident four)
+    hedge = torch.zeros(4, 10)
+    hedge[0, 4], hedge[1, 1], hedge[2, 0], hedge[3, 4] = 1.0, 1.0, 1.0, 1.0
+    assert float(soft_clauses(parse("a four left of a one"), torch.ones(4), hedge, colours)) == 1.0
+    assert float(probability_clauses(parse("a four left of a one"), torch.ones(4), hedge, colours)) == 0.0
+    hedge[3, 4], hedge[3, 0] = 0.0, 1.0  # the second four is a zero now
+    assert float(probability_clauses(parse("a four left of a one"), torch.ones(4), hedge, colours)) == 1.0
+    assert sorted(RULES) == ["probability", "soft"]
+    with pytest.raises(ValueError, match="rule 'exact' is unknown; set \\+reward.options.digits_compose.rule"):
+        build_reward("digits_compose", rule="exact")
 
 # -- assets ---------------------------------------------------------------------------------------------------
 def test_shipped_files_are_small_and_the_judge_is_independent():

@@ -7,8 +7,9 @@ import pytest
 import torch
 from PIL import Image
 
-from diffrl.logging import RunLogger, WandbInitError, per_sample_scores, read_jsonl, wandb_scalars
+from diffrl.logging import RunLogger, WandbInitError, grid_cells, image_grid, per_sample_scores, read_jsonl, wandb_scalars
 from diffrl.tools.analysis import (
+    Run,
     compare,
     eval_metrics,
     eval_set,
@@ -245,3 +246,16 @@ def test_load_policy_reproduces_the_last_evaluation(runs):
     assert scores["digits"].tolist() == pytest.approx(logged["digits"].tolist(), abs=1e-6)
     assert scores["digits_gold"].tolist() == logged["digits_gold"].tolist()
     assert scores["digits_gold2"].tolist() == logged["digits_gold2"].tolist()
+
+
+def test_grid_images_give_back_the_logged_images_exactly(logged):
+    root, _ = logged
+    images, prompts, _, scores = _eval_inputs(2)
+    run = Run(root / "offline", name="offline", config={}, train=None, eval=None)
+    cells, rows = run.grid_images(2)
+    assert torch.equal(cells, images[[0, 2, 4]])  # the first seed of each prompt
+    assert rows["prompt"].tolist() == PROMPTS and rows["digits"].tolist() == pytest.approx(scores["digits"][[0, 2, 4]].tolist())
+    many = torch.randint(0, 256, (7, 3, 6, 9), generator=torch.Generator().manual_seed(1), dtype=torch.uint8)
+    assert torch.equal(grid_cells(image_grid(many, columns=3, scale=2), 7, columns=3, scale=2), many)
+    with pytest.raises(ValueError, match="not 7 cells in 4 columns"):
+        grid_cells(image_grid(many, columns=3, scale=2), 7, columns=4, scale=2)

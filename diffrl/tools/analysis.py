@@ -30,7 +30,7 @@ from diffrl import wandb_file
 from diffrl.checkpoint import list_checkpoints
 from diffrl.data import read_prompt_file
 from diffrl.distributed.workers import TrainingWorker
-from diffrl.logging import image_grid
+from diffrl.logging import grid_cells, image_grid
 from diffrl.sampling.distribution import DISTRIBUTION_KEYS, relative_to_base
 from diffrl.sampling.evaluation import deterministic_settings, eval_prompts_and_seeds
 from diffrl.sampling.rollout import sample_trajectories
@@ -80,6 +80,14 @@ class Run:
 
         with Image.open(self.grid_path(step)) as img:
             return img.convert("RGB")
+
+    def grid_images(self, step: int, *, columns: int = 10, scale: int = 4) -> tuple[torch.Tensor, pd.DataFrame]:
+        """The evaluation grid at ``step`` back as images: ``(uint8 [N, 3, H, W], the N per-sample rows in grid
+        order)``, exact (the grid is ×``scale`` nearest of the images; ``columns`` and ``scale`` as the logger drew
+        it, by default 10 and 4). An editing run's cells are source | edit side by side."""
+        rows = self.samples(step)
+        rows = rows[rows["grid_index"].notna()].sort_values("grid_index").reset_index(drop=True)
+        return grid_cells(self.grid(step), len(rows), columns=min(columns, len(rows)), scale=scale), rows
 
     def samples(self, step: int | None = None) -> pd.DataFrame:
         """Per-sample evaluation scores (``step, index, prompt, seed, grid_index, <metric> …``) at ``step``

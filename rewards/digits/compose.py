@@ -24,8 +24,9 @@ The built-in prompt set (:func:`default_prompts`, 10 per type, seeded) is held o
 
 **Training reward** ``digits_compose`` (not the judge; see :class:`DigitsComposeReward`): the digits reward
 classifier (``assets/digits/reward_classifier``) applied to each slot's middle 12×12 (upsampled to its
-16×16 input), an occupancy term from the slot's brightness, and soft clause scores; it assumes the 2×2
-layout and knows nothing of connected components, so it has blind spots the judge does not share.
+16×16 input), an occupancy term from the slot's brightness, and soft clause scores (or, with ``rule="probability"``,
+the probability that GenEval's rule holds under that reading); it assumes the 2×2 layout and knows nothing of
+connected components, so it has blind spots the judge does not share.
 """
 
 from __future__ import annotations
@@ -232,17 +233,23 @@ def slot_crops(images: torch.Tensor) -> torch.Tensor:
     return x.view(images.shape[0], 4, 3, 16, 16)
 
 
+def slot_scores(clause: dict, occupancy: torch.Tensor, p_digit: torch.Tensor, p_colour: torch.Tensor) -> torch.Tensor:
+    """``[4]``: each slot's probability of holding ``clause``'s object, ``occupancy · p(class) · p(colour)``
+    (the colour factor only where the clause asks for one)."""
+    s = occupancy * p_digit[:, DIGIT_WORDS.index(clause["class"])]
+    return s * p_colour[:, COLOUR_NAMES.index(clause["color"])] if "color" in clause else s
+
+
 def soft_clauses(meta: dict, occupancy: torch.Tensor, p_digit: torch.Tensor, p_colour: torch.Tensor) -> torch.Tensor:
-    """Mean soft truth of ``meta``'s clauses from per-slot ``occupancy [4]``, ``p_digit [4, 10]`` and
-    ``p_colour [4, 6]``: a clause's expected count ``m = Σ_slots occupancy·p(class)·p(colour)`` scores
+    """Rule ``"soft"``: mean soft truth of ``meta``'s clauses from per-slot ``occupancy [4]``, ``p_digit [4, 10]`` and
+    ``p_colour [4, 6]``: a clause's expected count ``m = Σ_slots`` :func:`slot_scores` scores
     ``min(m / count, 1)`` (``1 − min(|m − count|, 1)`` for counting); a position clause scores
-    ``max`` over slot pairs in the relation of the product of the two objects' slot scores."""
+    ``max`` over slot pairs in the relation of the product of the two objects' slot scores. Partial credit per
+    clause; four ambiguous sevens (each 0.75) satisfy "three sevens" fully."""
     scores = []
     per_slot = []
     for clause in meta["include"]:
-        s = occupancy * p_digit[:, DIGIT_WORDS.index(clause["class"])]
-        if "color" in clause:
-            s = s * p_colour[:, COLOUR_NAMES.index(clause["color"])]
+        s = slot_scores(clause, occupancy, p_digit, p_colour)
         per_slot.append(s)
         m, n = s.sum(), clause["count"]
         if "position" in clause:
@@ -256,21 +263,87 @@ def soft_clauses(meta: dict, occupancy: torch.Tensor, p_digit: torch.Tensor, p_c
     return torch.stack(scores).mean()
 
 
+def exact_count(s: torch.Tensor, n: int) -> torch.Tensor:
+    """P(exactly ``n`` of independent events with probabilities ``s [K]`` happen) (Poisson binomial, by recursion)."""
+    dist = torch.zeros(len(s) + 1, dtype=s.dtype)
+    dist[0] = 1.0
+    for p in s:
+        dist = torch.cat([dist[:1] * (1 - p), dist[1:] * (1 - p) + dist[:-1] * p])
+    return dist[n]
+
+
+_STATES = torch.cartesian_prod(*[torch.arange(3)] * 4)
+"""``[81, 4]``: every assignment of the four slots to {0: neither object, 1: the first clause's, 2: the second's}"""
+
+
+def probability_clauses(meta: dict, occupancy: torch.Tensor, p_digit: torch.Tensor, p_colour: torch.Tensor) -> torch.Tensor:
+    """Rule ``"probability"``: the probability that GenEval's rule holds for ``meta`` *whichever object of a class
+    the detector ranks first*, if each slot independently held clause ``k``'s object in the asked colour with
+    probability ``s_k`` (:func:`slot_scores`) or in another colour with ``v_k = occupancy · p(class) · (1 − p(colour))``
+    (0 for colour-free clauses). The clauses name different digits, so a slot holds at most one of them.
+
+    * one clause: ≥ 1 object in the asked colour and none in another, ``Q(v) − Q(v + s)`` with
+      ``Q(x) = Π_slots (1 − x)`` (the probability that no slot holds an ``x`` object); counting: exactly ``count``
+      objects of the class (Poisson binomial), colours free;
+    * two clauses: both present, no wrong colours, by inclusion–exclusion ``Σ_{S ⊆ {1, 2}} (−1)^{|S|} Q(v₁ + v₂ + Σ_S s)``;
+    * position: the sum over the 81 slot assignments in which both digits are present and every object of the
+      second clause stands ``rel`` of every object of the first (the target).
+
+    No partial credit and no credit for hedging: four ambiguous sevens (each 0.75) are three sevens with
+    probability 4 · 0.75³ · 0.25 ≈ 0.42; a green four next to a red four is not "a green four" (GenEval reads the
+    most confident four's colour); fours on both sides of a one are not "a four left of a one"."""
+    clauses = meta["include"]
+    s = [slot_scores(c, occupancy, p_digit, p_colour) for c in clauses]
+    v = [occupancy * p_digit[:, DIGIT_WORDS.index(c["class"])] - sk if "color" in c else torch.zeros_like(sk) for c, sk in zip(clauses, s)]
+
+    def none_of(x: torch.Tensor) -> torch.Tensor:
+        return (1 - x).clamp(min=0).prod()
+
+    if meta["tag"] == "counting":
+        return exact_count(s[0], clauses[0]["count"])
+    if meta["tag"] != "position":
+        wrong = sum(v)
+        subsets = [[]] + [[k] for k in range(len(s))] + ([[0, 1]] if len(s) == 2 else [])
+        return sum((-1) ** len(sub) * none_of(wrong + sum((s[k] for k in sub), torch.zeros_like(wrong))) for sub in subsets)
+    rel = clauses[1]["position"][0]
+    q = torch.stack([(1 - s[0] - s[1]).clamp(min=0), s[0], s[1]], 1)  # [4 slots, 3 states]
+    p_state = q.gather(1, _STATES.T).prod(0)  # [81]
+    return p_state[_position_ok(rel)].sum()
+
+
+def _position_ok(rel: str) -> torch.Tensor:
+    """``[81]`` bool over :data:`_STATES`: a target (1) and an object (2) present, every object ``rel`` of every target."""
+    out = []
+    for x in _STATES.tolist():
+        objs, targets = [i for i in range(4) if x[i] == 2], [j for j in range(4) if x[j] == 1]
+        out.append(bool(objs and targets) and all(slot_relation(i, j, rel) for i in objs for j in targets))
+    return torch.tensor(out)
+
+
+RULES = {"soft": soft_clauses, "probability": probability_clauses}
+
+
 @register_reward("digits_compose")
 class DigitsComposeReward(Reward):
-    """Cheap training reward in [0, 1]: :func:`soft_clauses` over the 2×2 slots read by the digits reward
-    classifier (digit and colour per slot) and a brightness occupancy ``sigmoid((mean max-channel − 0.08) / 0.02)``.
+    """Cheap training reward in [0, 1] from the 2×2 slots read by the digits reward classifier (digit and colour
+    per slot) and a brightness occupancy ``sigmoid((mean max-channel − 0.08) / 0.02)``, combined by ``rule``.
 
     Args:
         path: folder of the classifier (default: the shipped ``assets/digits/reward_classifier``).
         device: where the classifier runs.
+        rule: ``"soft"`` (:func:`soft_clauses`, mean partial credit per clause; the default) or ``"probability"``
+            (:func:`probability_clauses`, the chance that the prompt holds under the classifier's reading,
+            whichever object of a class comes first).
     """
 
-    unit = "soft fraction of clauses in [0, 1]"
+    unit = "probability (or soft fraction) of the prompt holding, in [0, 1]"
     scale = (0.0, 1.0)
 
-    def __init__(self, path: str | None = None, device: str = "cpu"):
+    def __init__(self, path: str | None = None, device: str = "cpu", rule: str = "soft"):
+        if rule not in RULES:
+            raise ValueError(f"digits_compose rule {rule!r} is unknown; set +reward.options.digits_compose.rule to one of {sorted(RULES)}")
         self.device = device
+        self.rule = RULES[rule]
         self.model = DigitsClassifier.from_pretrained(path or ASSET_DIR / "reward_classifier").to(device)
 
     @torch.no_grad()
@@ -283,4 +356,4 @@ class DigitsComposeReward(Reward):
         b = images.shape[0]
         p_digit, p_colour = d_logits.softmax(-1).view(b, 4, -1).cpu(), c_logits.softmax(-1).view(b, 4, -1).cpu()
         occupancy = torch.sigmoid((crops.amax(2).mean((2, 3)).cpu() - 0.08) / 0.02)
-        return {self.name: torch.stack([soft_clauses(m, occupancy[i], p_digit[i], p_colour[i]) for i, m in enumerate(metas)]).clamp(0, 1)}
+        return {self.name: torch.stack([self.rule(m, occupancy[i], p_digit[i], p_colour[i]) for i, m in enumerate(metas)]).clamp(0, 1)}
