@@ -6,7 +6,8 @@ HPSv3 is Qwen2-VL-7B-Instruct with a reward head read at a special token:
 * the message: one user turn holding the image (resized by Qwen-VL's ``smart_resize`` to a fixed budget of
   256 × 28 × 28 pixels, bicubic) and the text ``INSTRUCTION.format(text_prompt=prompt) + SUFFIX``, which ends in
   the added special token ``<|Reward|>``; the base model's chat template with the generation prompt, right padding;
-* the model: the Qwen2-VL backbone's last hidden states (``model.model``), cast to float32, through ``rm_head``
+* the model: the Qwen2-VL backbone's last hidden states (``model.model``, with HPSv3's positions: 0…L−1 on all
+  three M-RoPE axes, image tokens included, as the package runs it), cast to float32, through ``rm_head``
   (``Linear(d, 1024) → ReLU → Dropout(0.05) → Linear(1024, 16) → ReLU → Linear(16, 2)``) at the ``<|Reward|>``
   position: ``(μ, σ)`` of the uncertainty-aware ranking loss. The score is ``μ`` (reported as ``hpsv3``;
   ``hpsv3_sigma`` beside it).
@@ -15,6 +16,9 @@ Weights from local paths only: ``checkpoint=`` the released ``HPSv3.safetensors`
 transformers-4.45 key names, translated by :func:`convert_keys`), ``base=`` a local Qwen2-VL-7B-Instruct folder for
 the config, tokenizer, image processor and chat template. ``random_init=True`` with ``model_config`` builds a
 random (e.g. tiny) model for tests; ``base`` then names a folder holding a processor.
+
+Checked against the ``hpsv3`` package (transformers 4.45.2) on the same tiny random weights, processor and images:
+equal μ and σ at the 448² budget, ≤ 1e-6 after resizing (``benchmarks/hpsv3_upstream.py``).
 """
 
 from __future__ import annotations
@@ -92,15 +96,12 @@ def convert_keys(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor
     return model, head
 
 
-class RankNetHead(nn.Module):
-    """HPSv3's ``rm_head`` ("ranknet"): ``d → 1024 → 16 → 2`` with ReLUs, dropout 0.05 after the first; float32."""
+class RankNetHead(nn.Sequential):
+    """HPSv3's ``rm_head`` ("ranknet"): ``d → 1024 → 16 → 2`` with ReLUs, dropout 0.05 after the first; float32.
+    A ``Sequential`` as in the package, so its keys are the checkpoint's ``rm_head.*`` names (``0.weight`` …)."""
 
     def __init__(self, width: int):
-        super().__init__()
-        self.layers = nn.Sequential(nn.Linear(width, 1024), nn.ReLU(), nn.Dropout(0.05), nn.Linear(1024, 16), nn.ReLU(), nn.Linear(16, 2))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.layers(x)
+        super().__init__(nn.Linear(width, 1024), nn.ReLU(), nn.Dropout(0.05), nn.Linear(1024, 16), nn.ReLU(), nn.Linear(16, 2))
 
 
 @register_reward("hpsv3")
@@ -170,8 +171,13 @@ class HPSv3(Reward):
         at = batch["input_ids"] == self.reward_id
         if not bool((at.sum(dim=1) == 1).all()):
             raise RewardError(f"reward 'hpsv3': each prompt must hold {REWARD_TOKEN} exactly once after templating (a prompt containing it, or truncation?)")
+        # HPSv3 runs its backbone on the merged embeddings with no position ids, so transformers 4.45 gives every token,
+        # image tokens included, the plain sequential position 0…L−1 on all three M-RoPE axes (not Qwen2-VL's 2-D
+        # image positions); the trained reward reads those positions, so they are passed explicitly here
+        length = batch["input_ids"].shape[1]
+        positions = torch.arange(length, device=self.device).view(1, 1, -1).expand(3, batch["input_ids"].shape[0], -1)
         with torch.no_grad():
-            hidden = self.model.model(**batch).last_hidden_state  # (newer processors add mm_token_type_ids for M-RoPE)
+            hidden = self.model.model(**batch, position_ids=positions).last_hidden_state
             out = self.head(hidden[at].float())
         return {self.name: out[:, 0].cpu(), f"{self.name}_sigma": out[:, 1].cpu()}
 

@@ -77,12 +77,18 @@ def test_tiny_hpsv3_reads_the_reward_token_and_is_batch_invariant(base, tmp_path
     assert out["hpsv3"].shape == (3,) and torch.isfinite(out["hpsv3"]).all() and out["hpsv3"].std() > 0
     for i in range(3):  # right padding + attention mask: each row scores as it would alone
         torch.testing.assert_close(reward(images[i : i + 1], prompts[i : i + 1])["hpsv3"], out["hpsv3"][i : i + 1], rtol=1e-4, atol=1e-5)
-    # the score is the head at the reward token: recomputed by hand from the backbone's hidden states
+    # the score is the head at the reward token, recomputed by hand from the backbone's hidden states with HPSv3's
+    # positions: 0…L−1 on all three M-RoPE axes (the package runs the backbone without position ids under
+    # transformers 4.45); Qwen2-VL's own image positions give another number
+    length = batch["input_ids"].shape[1]
     with torch.no_grad():
-        hidden = reward.model.model(**batch).last_hidden_state
         at = (batch["input_ids"] == reward.reward_id).float().argmax(1)
+        hidden = reward.model.model(**batch, position_ids=torch.arange(length).view(1, 1, -1).expand(3, 3, -1)).last_hidden_state
         by_hand = reward.head(hidden[torch.arange(3), at].float())
+        mrope = reward.head(reward.model.model(**batch).last_hidden_state[torch.arange(3), at].float())
     torch.testing.assert_close(out["hpsv3"], by_hand[:, 0])
+    assert (mrope[:, 0] - out["hpsv3"]).abs().max() > 1e-3 * out["hpsv3"].std()
+    assert [k for k in reward.head.state_dict()][:2] == ["0.weight", "0.bias"]  # the package's rm_head.* names
 
     # a checkpoint in the released (transformers 4.45) names loads into the same numbers
     state = {("visual." + k[len("model.visual."):] if k.startswith("model.visual.") else "model." + k[len("model.language_model."):] if k.startswith("model.language_model.") else k): v
