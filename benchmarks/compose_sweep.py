@@ -11,7 +11,8 @@ picks, for each pretraining and each ``--base-gold`` target, the first snapshot 
 target, and trains every ``--recipe`` (× every ``--rl-variant LABEL:overrides``) from it with
 ``model.path=<snapshot>``. ``results.json`` (rewritten after every run, so a cut-off sweep keeps what finished)
 holds each pretraining's evaluation history and each RL run's gold overall and per task type at every evaluation;
-``table.md`` the RL runs' before → after per task type. Exploratory: wall times of parallel runs are contended.
+``table.md`` the RL runs' before → after per task type, and each failed run with its exit code and the last line of its
+log (a mistyped override fails at once with a one-line error). Exploratory: wall times of parallel runs are contended.
 """
 
 from __future__ import annotations
@@ -48,6 +49,12 @@ def run(cmd: list[str], log: Path, threads: int) -> tuple[int, float]:
     proc = subprocess.run(cmd, check=False, cwd=ROOT, env=env, capture_output=True, text=True)
     log.write_text(proc.stdout + proc.stderr)
     return proc.returncode, time.perf_counter() - start
+
+
+def last_error(log: Path) -> str:
+    """The last non-empty line of a failed run's log (its one-line error), with table pipes escaped."""
+    lines = [line for line in log.read_text().splitlines() if line.strip()] if log.is_file() else []
+    return (lines[-1] if lines else "no output").replace("|", "\\|")
 
 
 def gold_row(metrics: dict) -> dict:
@@ -109,13 +116,18 @@ def main(argv=None) -> None:
                 r = json.loads(line)
                 if r.get("kind") == "eval":
                     evals.append({"step": r["step"], "reward": r.get("eval/digits_compose"), **gold_row(r)})
-        results["rl"][name] = {"base": path, "recipe": recipe, "overrides": overrides, "returncode": rc, "seconds": round(seconds, 1), "evals": evals}
+        error = last_error(out / f"rl_{name.replace('/', '__')}.log") if rc else None
+        results["rl"][name] = {"base": path, "recipe": recipe, "overrides": overrides, "returncode": rc, "seconds": round(seconds, 1), "evals": evals,
+                               "error": error}
         save()
 
     with ThreadPoolExecutor(max(1, args.jobs)) as pool:
         list(pool.map(lambda a: rl(*a), runs))
     lines = ["| run | steps | overall | " + " | ".join(TASKS) + " | s |", "|---|---:|---|" + "---|" * len(TASKS) + "---:|"]
     for name, r in results["rl"].items():
+        if r["returncode"]:
+            lines.append(f"| {name} | – | failed (exit {r['returncode']}): {r['error']} |" + " |" * len(TASKS) + f" {r['seconds']:.0f} |")
+            continue
         if len(r["evals"]) < 2:
             continue
         a, b = r["evals"][0], r["evals"][-1]
