@@ -32,11 +32,12 @@ from rewards.digits.compose_judge import DigitsComposeGold, detect
 from rewards.digits.data import COLOUR_NAMES, DIGIT_WORDS
 from rewards.geneval import check
 
-REASONS = {"missing": "expected {name} ≥", "too_many": "<", "wrong_colour": "found colours", "wrong_position": "its target"}
+KINDS = ("missing", "too_many", "wrong_colour", "wrong_position")
+"""failure kinds of :func:`reason_kinds`, in the table's order"""
 
 
 def reason_kinds(reasons: list[str]) -> set[str]:
-    """GenEval's failure reasons → the kinds above (``"expected two < 3, found 4"`` → ``too_many``)."""
+    """GenEval's failure reasons → :data:`KINDS` (``"expected two < 3, found 4"`` → ``too_many``)."""
     kinds = set()
     for r in reasons:
         if "found colours" in r:
@@ -101,7 +102,7 @@ def main(argv=None) -> None:
     for model, res in results.items():
         for t, r in res["types"].items():
             n, f = r["canvases"], r["failures"]
-            fails = ", ".join(str(f.get(k, 0)) for k in REASONS)
+            fails = ", ".join(str(f.get(k, 0)) for k in KINDS)
             lines.append(f"| {model} | {t} | {r['gold']}/{n} | {r['objects'] / n:.1f} | {r['four_filled']}/{n} | {fails} | "
                          f"{r['same_digit'] / max(r['read'], 1):.0%} | {r['same_colour'] / max(r['read'], 1):.0%} |")
     (out / "diagnosis.md").write_text("\n".join(lines) + "\n")

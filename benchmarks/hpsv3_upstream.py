@@ -167,8 +167,9 @@ def ours(out: Path) -> None:
     their_instruction, their_suffix = (out / "instruction.txt").read_text().split("\x00")
     reward = build_reward("hpsv3", checkpoint=str(out / "HPSv3.safetensors"), base=str(out / "base"), dtype="float32")
     report = {"prompts": PROMPTS, "instruction_matches": INSTRUCTION == their_instruction, "suffix_matches": SUFFIX == their_suffix}
-    for name in SIZES:
-        batch = torch.stack([torch.from_numpy(np.asarray(Image.open(out / f"image_{name}_{i}.png").convert("RGB"))).permute(2, 0, 1) for i in range(len(PROMPTS))])
+    batches = {name: torch.stack([torch.from_numpy(np.asarray(Image.open(out / f"image_{name}_{i}.png").convert("RGB"))).permute(2, 0, 1)
+                                  for i in range(len(PROMPTS))]) for name in SIZES}
+    for name, batch in batches.items():
         mine = reward(batch, PROMPTS)
         mu, sigma = mine["hpsv3"].tolist(), mine["hpsv3_sigma"].tolist()
         report[name] = {"upstream_mu": ref["mu"][name], "diffrl_mu": mu, "max_abs_diff_mu": max(abs(a - b) for a, b in zip(mu, ref["mu"][name])),
@@ -176,8 +177,7 @@ def ours(out: Path) -> None:
                         "mu_spread": max(ref["mu"][name]) - min(ref["mu"][name])}
     # the same score with Qwen2-VL's own M-RoPE image positions (what transformers 5 computes when no position ids
     # are passed; diffrl passes HPSv3's sequential ones): how much the position choice moves μ here
-    batch = torch.stack([torch.from_numpy(np.asarray(Image.open(out / f"image_448_{i}.png").convert("RGB"))).permute(2, 0, 1) for i in range(len(PROMPTS))])
-    inputs = reward.inputs(batch, PROMPTS)
+    inputs = reward.inputs(batches["448"], PROMPTS)
     with torch.no_grad():
         hidden = reward.model.model(**inputs).last_hidden_state
         mrope = reward.head(hidden[inputs["input_ids"] == reward.reward_id].float())[:, 0]

@@ -308,7 +308,7 @@ def probability_clauses(meta: dict, occupancy: torch.Tensor, p_digit: torch.Tens
     rel = clauses[1]["position"][0]
     q = torch.stack([(1 - s[0] - s[1]).clamp(min=0), s[0], s[1]], 1)  # [4 slots, 3 states]
     p_state = q.gather(1, _STATES.T).prod(0)  # [81]
-    return p_state[_position_ok(rel)].sum()
+    return p_state[_POSITION_OK[rel]].sum()
 
 
 def _position_ok(rel: str) -> torch.Tensor:
@@ -318,6 +318,10 @@ def _position_ok(rel: str) -> torch.Tensor:
         objs, targets = [i for i in range(4) if x[i] == 2], [j for j in range(4) if x[j] == 1]
         out.append(bool(objs and targets) and all(slot_relation(i, j, rel) for i in objs for j in targets))
     return torch.tensor(out)
+
+
+_POSITION_OK = {rel: _position_ok(rel) for rel in RELATIONS}
+""":func:`_position_ok` of each relation, computed once (the reward reads it for every position prompt)"""
 
 
 RULES = {"soft": soft_clauses, "probability": probability_clauses}
