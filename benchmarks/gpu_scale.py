@@ -177,7 +177,51 @@ class OpFlops(TorchDispatchMode):
         return self.total
 
 
-def count_flops(engine, adapter, td, cfg, micro: int) -> dict:
+KERNEL_KINDS = (
+    ("attention", ("sdpa", "flash", "fmha", "attention", "attn")),
+    ("convolution", ("conv", "implicit", "fprop", "dgrad", "wgrad", "winograd")),
+    ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "wgmma", "sm90_")),
+    ("fused (triton)", ("triton",)),
+    ("elementwise / reduction (aten)", ("elementwise", "vectorized", "reduce", "at::native", "cat", "copy", "fill")),
+)
+"""kernel-name fragments → the kind a profiled kernel counts under (first match wins; the rest is "other")"""
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    return next((kind for kind, keys in KERNEL_KINDS if any(k in low for k in keys)), "other")
+
+
+def profile_call(fn, device, top: int = 25) -> dict:
+    """One call of ``fn`` under ``torch.profiler``: wall seconds, GPU kernel seconds by :func:`kernel_kind` (their
+    sum against the wall time is how busy the GPU was) and the ``top`` kernels by total time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda(device) else [])
+    with profile(activities=activities) as prof:
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        wall = time.perf_counter() - t0
+    kernels = []
+    for e in prof.key_averages():
+        t = getattr(e, "self_device_time_total", None)
+        if t is None:
+            t = getattr(e, "self_cuda_time_total", 0)
+        if t and str(getattr(e, "device_type", "")).endswith("CUDA"):
+            kernels.append((e.key, t / 1e6, e.count))
+    kinds: dict[str, float] = {}
+    for name, t, _ in kernels:
+        kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + t
+    busy = sum(kinds.values())
+    kernels.sort(key=lambda k: -k[1])
+    return {"wall_s": wall, "kernel_s": busy, "gpu_busy_fraction": busy / wall if wall else None,
+            "kinds_s": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
+            "top_kernels": [{"name": n[:160], "s": t, "calls": c, "kind": kernel_kind(n)} for n, t, c in kernels[:top]]}
+
+
+def count_flops(engine, adapter, td, cfg, micro: int, train: bool = True) -> dict:
     """FLOPs actually executed (:class:`OpFlops`, eager, SDPA through flash attention so it is counted): one
     rollout step's CFG forward per image, and one trajectory's training step (forward + backward, recompute
     included); the optimizer step is not run."""
@@ -194,6 +238,8 @@ def count_flops(engine, adapter, td, cfg, micro: int) -> dict:
         with fc, torch.no_grad():
             adapter.predict(one["latents"][:, k].to(device), one["sigmas"][:, k].to(device), one["cond"].to(device), cfg)
         rollout_step = fc.get_total_flops()
+        if not train:
+            return {"rollout_step_flops_per_image": float(rollout_step)}
         mb = td[:1].to(device)  # one trajectory: FLOPs are linear in the batch
         adapter.denoiser.train()
         fc = OpFlops()
@@ -249,21 +295,21 @@ def measure(args, label: str, compile_on: bool, results: dict):
         td = roll(0)
     r["first_rollout_s"] = time.perf_counter() - t1
     trained = int(td["sde_mask"][0].sum())
-    t1 = time.perf_counter()
-    with mem.phase("train_warmup"):
-        r["max_abs_dlogp"], r["dlogp_per_step"] = logp_check(engine, td, loss_fn)
-    sync(device)
-    r["first_train_s"] = time.perf_counter() - t1
-    r["logp_ok"] = r["max_abs_dlogp"] <= args.logp_tol
-    print(f"[{label}] built in {r['build_s']:.0f} s ({r['transformer_params_b']:.2f} B); warm-up rollout {r['first_rollout_s']:.1f} s, "
-          f"train {r['first_train_s']:.1f} s; max|Δlogp| {r['max_abs_dlogp']:.2e}; memory {mem.phases}", flush=True)
-    if "flops" not in results:
-        results["flops"] = count_flops(engine, adapter, td, args.cfg, args.micro_batch)
+    if not args.rollout_only:
+        t1 = time.perf_counter()
+        with mem.phase("train_warmup"):
+            r["max_abs_dlogp"], r["dlogp_per_step"] = logp_check(engine, td, loss_fn)
+        sync(device)
+        r["first_train_s"] = time.perf_counter() - t1
+        r["logp_ok"] = r["max_abs_dlogp"] <= args.logp_tol
+        print(f"[{label}] built in {r['build_s']:.0f} s ({r['transformer_params_b']:.2f} B); warm-up rollout {r['first_rollout_s']:.1f} s, "
+              f"train {r['first_train_s']:.1f} s; max|Δlogp| {r['max_abs_dlogp']:.2e}; memory {mem.phases}", flush=True)
+    if "flops" not in results or ("train_step_flops_per_trajectory" not in results["flops"] and not args.rollout_only):
+        results["flops"] = count_flops(engine, adapter, td, args.cfg, args.micro_batch, train=not args.rollout_only)
         results["flops"]["analytic_forward_flops_per_image"] = engine_forward_flops(adapter, s, args, r["n_text_tokens"])
         print(f"  executed FLOPs: {results['flops']}", flush=True)
     f = results["flops"]
     rollout_flops = f["rollout_step_flops_per_image"] * args.steps * args.batch
-    train_flops = f["train_step_flops_per_trajectory"] * trained * args.batch
     peak = args.peak_tflops * 1e12
 
     with mem.phase("rollout"):
@@ -271,6 +317,23 @@ def measure(args, label: str, compile_on: bool, results: dict):
     r["rollout_s"] = median(times)
     r["rollout_images_per_s"] = args.batch / r["rollout_s"]
     r["rollout_mfu_executed"] = rollout_flops / r["rollout_s"] / peak
+    print(f"[{label}] rollout {r['rollout_images_per_s']:.2f} img/s (MFU {r['rollout_mfu_executed']:.3f})", flush=True)
+    if args.profile:
+        r["rollout_profile"] = profile_call(lambda: roll(2), device)
+        latents = td["latents"][:, -1].to(device)
+        r["decode_s"] = median(timed(lambda: adapter.decode(latents), device, 2))
+        p = r["rollout_profile"]
+        print(f"[{label}] rollout profile: wall {p['wall_s']:.2f} s, kernels {p['kernel_s']:.2f} s; by kind {p['kinds_s']}; VAE decode of the batch {r['decode_s']:.2f} s", flush=True)
+        for k in p["top_kernels"][:15]:
+            print(f"    {k['s']:.3f} s  {k['calls']:5d}×  [{k['kind']}] {k['name'][:110]}", flush=True)
+    if args.rollout_only:
+        r["peak_gb"] = max((p["peak_gb"] for p in mem.phases.values()), default=None)
+        del engine, adapter, td
+        torch._dynamo.reset()
+        if cuda(device):
+            torch.cuda.empty_cache()
+        return
+    train_flops = f["train_step_flops_per_trajectory"] * trained * args.batch
     with mem.phase("train"):
         times = timed(lambda: engine.train_batch(td, loss_fn), device, args.repeats)
     r["train_s"] = median(times)
@@ -338,6 +401,8 @@ def main(argv=None):
     p.add_argument("--sdpa", default="cudnn", choices=["cudnn", "flash", "default"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--commit", default=None)
+    p.add_argument("--profile", action="store_true", help="profile one rollout: GPU kernel time by kind, the top kernels, the VAE decode's share")
+    p.add_argument("--rollout-only", action="store_true", help="measure the rollout only (no update, parity or end to end)")
     args = p.parse_args(argv)
     if args.recipe:
         rec = RECIPES[args.recipe]
