@@ -235,7 +235,7 @@ def count_flops(engine, adapter, td, cfg, micro: int, train: bool = True) -> dic
     with stance, sdpa_kernel(backends):
         adapter.denoiser.eval()
         fc = OpFlops()
-        with fc, torch.no_grad():
+        with fc, torch.no_grad(), engine.rollout_weights():  # the rollout's weights: LoRA fused or not
             adapter.predict(one["latents"][:, k].to(device), one["sigmas"][:, k].to(device), one["cond"].to(device), cfg)
         rollout_step = fc.get_total_flops()
         if not train:
@@ -279,6 +279,7 @@ def measure(args, label: str, compile_on: bool, results: dict):
         lora=LoraConfig(rank=args.rank, alpha=args.alpha, target_modules=targets), compile=compile_on, compile_backend=args.compile_backend,
         compile_scope=args.scope, compile_mode=args.mode, compile_cache_dir=args.cache_dir,
         activation_checkpointing=args.ckpt_every > 0, checkpoint_every=max(1, args.ckpt_every),
+        fuse_lora_rollout="fuse" in label, compile_vae="novae" not in label,
     )
     settings = SamplerConfig(num_steps=args.steps, kind="flow_sde", noise_level=0.7, guidance_scale=args.cfg, height=s["height"], width=s["width"])
     engine = DiffusionEngine(adapter, model=model, optim=OptimConfig(lr=1e-5), sampler=settings, micro_batch_size=args.micro_batch)
@@ -288,7 +289,10 @@ def measure(args, label: str, compile_on: bool, results: dict):
     r["init_s"] = time.perf_counter() - t1
     print(f"[{label}] {r['n_text_tokens']} text tokens; LoRA attached ({sum(p.numel() for p in engine.trainable_parameters()) / 1e6:.0f} M) in {r['init_s']:.1f} s", flush=True)
     loss_fn = make_step_loss("flow_grpo", clip_range=1e-4)
-    roll = lambda i: rollout(adapter, settings, prompts, args.group, args.seed + i, args.window, args.window_range, args.rollout_micro)  # noqa: E731
+    def roll(i):
+        with torch.no_grad(), engine.rollout_weights():
+            return rollout(adapter, settings, prompts, args.group, args.seed + i, args.window, args.window_range, args.rollout_micro)
+
 
     t1 = time.perf_counter()
     with mem.phase("rollout_warmup"):
@@ -304,11 +308,12 @@ def measure(args, label: str, compile_on: bool, results: dict):
         r["logp_ok"] = r["max_abs_dlogp"] <= args.logp_tol
         print(f"[{label}] built in {r['build_s']:.0f} s ({r['transformer_params_b']:.2f} B); warm-up rollout {r['first_rollout_s']:.1f} s, "
               f"train {r['first_train_s']:.1f} s; max|Δlogp| {r['max_abs_dlogp']:.2e}; memory {mem.phases}", flush=True)
-    if "flops" not in results or ("train_step_flops_per_trajectory" not in results["flops"] and not args.rollout_only):
-        results["flops"] = count_flops(engine, adapter, td, args.cfg, args.micro_batch, train=not args.rollout_only)
-        results["flops"]["analytic_forward_flops_per_image"] = engine_forward_flops(adapter, s, args, r["n_text_tokens"])
-        print(f"  executed FLOPs: {results['flops']}", flush=True)
-    f = results["flops"]
+    key = "flops_fused" if "fuse" in label else "flops"  # a fused rollout executes no LoRA matmuls
+    if key not in results or ("train_step_flops_per_trajectory" not in results[key] and not args.rollout_only):
+        results[key] = count_flops(engine, adapter, td, args.cfg, args.micro_batch, train=not args.rollout_only)
+        results[key]["analytic_forward_flops_per_image"] = engine_forward_flops(adapter, s, args, r["n_text_tokens"])
+        print(f"  executed FLOPs ({key}): {results[key]}", flush=True)
+    f = results[key]
     rollout_flops = f["rollout_step_flops_per_image"] * args.steps * args.batch
     peak = args.peak_tflops * 1e12
 
@@ -370,7 +375,9 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="qwen_image", choices=sorted(SETTINGS))
     p.add_argument("--recipe", default=None, choices=sorted(RECIPES), help="a published recipe's shape (sets shape, steps, CFG, window, LoRA, batch)")
-    p.add_argument("--variants", default="eager,compiled", help="comma list: eager, compiled")
+    p.add_argument("--variants", default="eager,compiled", help="comma list of eager, compiled and their variants: a label holding "
+                   "'fuse' folds LoRA into the weights for the rollout (model.fuse_lora_rollout), 'novae' leaves the VAE decoder "
+                   "uncompiled (model.compile_vae=false); e.g. eager,compiled,compiled_fuse")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default=None, help="default bfloat16 on CUDA, float32 on a CPU")
     p.add_argument("--out", required=True)
@@ -443,9 +450,12 @@ def main(argv=None):
                     results["variants"][label]["memory_at_error_gb"] = gb(torch.cuda.max_memory_allocated())
                     torch.cuda.empty_cache()
             out.write_text(json.dumps(results, indent=2, default=str))
-    eager, comp = results.get("variants", {}).get("eager", {}), results.get("variants", {}).get("compiled", {})
-    if eager.get("rollout_images_per_s") and comp.get("rollout_images_per_s"):
-        results["rollout_speedup_compiled_vs_eager"] = comp["rollout_images_per_s"] / eager["rollout_images_per_s"]
+    eager = results.get("variants", {}).get("eager", {})
+    for label, r in results.get("variants", {}).items():
+        if label != "eager" and eager.get("rollout_images_per_s") and r.get("rollout_images_per_s"):
+            r["rollout_speedup_vs_eager"] = r["rollout_images_per_s"] / eager["rollout_images_per_s"]
+    if "rollout_speedup_vs_eager" in results.get("variants", {}).get("compiled", {}):
+        results["rollout_speedup_compiled_vs_eager"] = results["variants"]["compiled"]["rollout_speedup_vs_eager"]
     out.write_text(json.dumps(results, indent=2, default=str))
     print(table(results))
     return results

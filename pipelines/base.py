@@ -256,6 +256,11 @@ class ModelAdapter(abc.ABC):
             cond = self.encode_prompts([first])
         return int(cond["prompt_embeds"].shape[1])
 
+    def compile_decoder(self, backend: str = "inductor") -> bool:
+        """``torch.compile`` the image decoder in place (``model.compile_vae``); returns whether anything was compiled.
+        Families without a decoder worth compiling (pixel space, or a VAE with per-frame caches) keep this no-op."""
+        return False
+
     def fsdp_blocks(self) -> list[nn.Module]:
         """The denoiser's repeated blocks, each its own FSDP2 unit (transformer blocks; UNet stages)."""
         d = self.denoiser

@@ -141,6 +141,14 @@ class LatentFlowFamily(ModelAdapter):
             chunks.append(self.vae.decode(z, return_dict=False)[0].float())
         return (torch.cat(chunks) / 2 + 0.5).clamp(0, 1)
 
+    def compile_decoder(self, backend: str = "inductor") -> bool:
+        """Compile the decoder of an ``AutoencoderKL`` (SD3, FLUX) in place, static shapes: one graph per decode-chunk
+        size. Other VAE classes (Wan's and Qwen-Image's causal video VAEs, with per-frame caches) stay eager."""
+        if type(self.vae).__name__ != "AutoencoderKL":  # by name: importing diffusers here would slow every import of pipelines
+            return False
+        self.vae.decoder.compile(backend=backend, dynamic=False)
+        return True
+
     @torch.no_grad()
     def encode_images(self, images: torch.Tensor) -> torch.Tensor:
         """Inverse of :meth:`decode`: ``(mean(VAE.encode(2x − 1)) − shift_factor)·scaling_factor``."""

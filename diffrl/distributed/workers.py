@@ -212,7 +212,7 @@ class ActorRolloutRefWorker(TrainingWorker):
         if policy not in ("current", "old"):
             raise ValueError(f"generate_sequences: policy must be 'current' or 'old', got {policy!r}")
         ctx = self.engine.old_policy() if policy == "old" else contextlib.nullcontext()
-        with ctx:
+        with ctx, torch.no_grad(), self.engine.rollout_weights():
             td = self._sample(data, prompts)
         td.set_non_tensor("metrics", {"rollout_seconds": time.perf_counter() - start, "weights_version": self.weights_version})
         return td

@@ -132,6 +132,7 @@ class DiffusionEngine:
         self._reference_copy = None
         self._old_copy = None
         self.sharded = False
+        self._fused = None
         self.initialized = False
 
     # -- set-up -----------------------------------------------------------------------------------
@@ -171,9 +172,17 @@ class DiffusionEngine:
         if self.model.fsdp and parallel.world_size() > 1:
             parallel.apply_fsdp(module, self.adapter.fsdp_blocks(), param_offload=self.model.param_offload)
             self.sharded = True
+        if self.model.fuse_lora_rollout:
+            if not self.uses_lora:
+                raise ValueError("model.fuse_lora_rollout=true needs a LoRA adapter (model.lora.rank > 0); full fine-tuning has nothing to fuse")
+            if self.sharded:
+                raise ValueError("model.fuse_lora_rollout=true cannot fuse FSDP2-sharded weights; set it to false with trainer.num_workers > 1")
+            self._fused = lora.FusedWeights(module)
         if self.model.compile:
             blocks = self.adapter.fsdp_blocks() if self.model.compile_scope == "blocks" else None
             compile_denoiser(module, backend=self.model.compile_backend, mode=self.model.compile_mode, cache_dir=self.model.compile_cache_dir, blocks=blocks)
+            if self.model.compile_vae:
+                self.adapter.compile_decoder(backend=self.model.compile_backend)
             # CUDA graphs: one graph-tree step per prediction (both CFG branches, every block), see ModelAdapter.predict
             self.adapter.cudagraph_steps = self.model.compile_mode == "reduce-overhead"
         o, total = self.optim, self.total_steps
@@ -189,6 +198,12 @@ class DiffusionEngine:
         """Name → whole tensor of every trainable parameter (the LoRA "default" adapter, or all weights);
         under FSDP2 a collective that every rank must call."""
         return {n: parallel.full_tensor(p.detach()) for n, p in self.module.named_parameters() if p.requires_grad}
+
+    def rollout_weights(self):
+        """Context for gradient-free sampling: with ``model.fuse_lora_rollout`` the active LoRA adapter folded into the
+        base weights (:class:`diffrl.engine.lora.FusedWeights`), otherwise nothing."""
+        self.initialize()
+        return self._fused.fused() if self._fused is not None else contextlib.nullcontext()
 
     @contextlib.contextmanager
     def reference(self):

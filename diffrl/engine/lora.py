@@ -104,3 +104,61 @@ def _ensure_adapter(module: nn.Module, source: str, target: str) -> None:
         module.set_adapter(active[0] if len(active) == 1 else active)
         for p in adapter_parameters(module, target).values():
             p.requires_grad_(False)
+
+
+class FusedWeights:
+    """The active LoRA adapter folded into the base weights, for gradient-free calls (rollouts): each LoRA
+    layer then runs one matmul with ``W + scale·B·A`` instead of the base matmul plus the two thin LoRA
+    matmuls and the add (diffusers' ``fuse_lora`` for inference, undone exactly after).
+
+    :meth:`fused` fills persistent buffers (one per LoRA layer, the size of its base weight, allocated on the
+    first call) with ``W + Σ_active scale·B·A`` computed in float32 and rounded once to the weight's dtype,
+    points each base weight at its buffer, and marks the layer merged so that peft's forward skips the LoRA
+    path. On exit every base weight points at its own, untouched tensor again: nothing is subtracted, so the
+    base weights never drift. The buffers keep their addresses across calls, so CUDA graphs recorded on them
+    stay valid. The cost is memory: one copy of every LoRA-targeted weight.
+
+    Output differs from the unfused path by the rounding of the fused weight (a bf16 model's rollout
+    log-probs then differ from the training pass's; ``benchmarks/gpu_scale.py --fuse-lora`` measures it).
+    """
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+        self.buffers: dict[int, torch.Tensor] = {}
+
+    def layers(self) -> list[nn.Module]:
+        from peft.tuners.lora import LoraLayer
+
+        return [m for m in self.module.modules() if isinstance(m, LoraLayer) and isinstance(m.get_base_layer(), nn.Linear)]
+
+    @contextlib.contextmanager
+    def fused(self) -> Iterator[None]:
+        if torch.is_grad_enabled():
+            raise RuntimeError("LoRA weights are fused for gradient-free calls only (rollouts); run them under torch.no_grad()")
+        touched = []
+        try:
+            with torch.no_grad():
+                for layer in self.layers():
+                    if layer.disable_adapters or layer.merged:
+                        continue
+                    active = [a for a in layer.active_adapters if a in layer.lora_A]
+                    if not active:
+                        continue
+                    weight = layer.get_base_layer().weight
+                    if type(weight.data) is not torch.Tensor:
+                        raise ValueError("model.fuse_lora_rollout needs whole weights; it cannot fuse sharded (FSDP2) parameters, turn it off with trainer.num_workers > 1")
+                    buf = self.buffers.get(id(layer))
+                    if buf is None:
+                        buf = self.buffers[id(layer)] = torch.empty_like(weight.data)
+                    total = weight.data.float()
+                    for a in active:
+                        total = total.addmm(layer.lora_B[a].weight.float(), layer.lora_A[a].weight.float(), alpha=float(layer.scaling[a]))
+                    buf.copy_(total)
+                    touched.append((layer, weight, weight.data))
+                    weight.data = buf
+                    layer.merged_adapters = list(active)
+            yield
+        finally:
+            for layer, weight, original in touched:
+                weight.data = original
+                layer.merged_adapters = []
