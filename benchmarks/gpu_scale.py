@@ -277,7 +277,7 @@ def measure(args, label: str, compile_on: bool, results: dict):
     targets = list(adapter.lora_target_modules) + (list(s["mlp"]) if args.mlp else [])
     model = ModelConfig(
         lora=LoraConfig(rank=args.rank, alpha=args.alpha, target_modules=targets), compile=compile_on, compile_backend=args.compile_backend,
-        compile_scope=args.scope, compile_mode=args.mode, compile_cache_dir=args.cache_dir,
+        compile_scope="model" if "whole" in label else args.scope, compile_mode="reduce-overhead" if "graphs" in label else args.mode, compile_cache_dir=args.cache_dir,
         activation_checkpointing=args.ckpt_every > 0, checkpoint_every=max(1, args.ckpt_every),
         fuse_lora_rollout="fuse" in label, compile_vae="novae" not in label,
     )
@@ -377,7 +377,7 @@ def main(argv=None):
     p.add_argument("--recipe", default=None, choices=sorted(RECIPES), help="a published recipe's shape (sets shape, steps, CFG, window, LoRA, batch)")
     p.add_argument("--variants", default="eager,compiled", help="comma list of eager, compiled and their variants: a label holding "
                    "'fuse' folds LoRA into the weights for the rollout (model.fuse_lora_rollout), 'novae' leaves the VAE decoder "
-                   "uncompiled (model.compile_vae=false); e.g. eager,compiled,compiled_fuse")
+                   "uncompiled (model.compile_vae=false), 'graphs' replays CUDA graphs (reduce-overhead), 'whole' compiles the whole model; e.g. eager,compiled,compiled_fuse")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default=None, help="default bfloat16 on CUDA, float32 on a CPU")
     p.add_argument("--out", required=True)

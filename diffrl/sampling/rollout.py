@@ -22,6 +22,15 @@ def uint8_images(images: torch.Tensor) -> torch.Tensor:
     return (images.float().clamp(0, 1) * 255.0).round().to(torch.uint8)
 
 
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """``t`` on the CPU. From a GPU: queued into pinned memory without blocking (several times faster than a copy
+    into pageable memory, and the host does not wait); the stream's next blocking copy guarantees it landed."""
+    if not t.is_cuda:
+        return t.cpu()
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return out.copy_(t, non_blocking=True)
+
+
 @torch.no_grad()
 def sample_trajectories(
     adapter,
@@ -132,9 +141,9 @@ def sample_trajectories(
             log_probs.append(out.log_prob)
             if record_means:
                 means.append(out.mean.float().cpu())
-        all_latents.append(torch.stack(latents, 1).float().cpu())
-        all_log_probs.append(torch.stack(log_probs, 1).float().cpu())
-        all_images.append(uint8_images(adapter.decode(x)).cpu())
+        all_latents.append(_to_host(torch.stack(latents, 1).float()))
+        all_log_probs.append(_to_host(torch.stack(log_probs, 1).float()))
+        all_images.append(uint8_images(adapter.decode(x)).cpu())  # a blocking copy: the copies above have landed too
         if record_means:
             all_means.append(torch.stack(means, 1))
 
