@@ -4,12 +4,18 @@ included), which ``diffrl.engine.flops.counter_for_adapter`` uses; the MFU arith
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
+from helpers import make_engine
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
+from diffrl.config import SamplerConfig
 from diffrl.engine.flops import DiffusionFlopsCounter, counter_for_adapter
 from pipelines import build_adapter
+from pipelines.digits import DigitsAdapter
 from pipelines.flops import flux_forward_flops, mmdit_forward_flops, qwen_image_forward_flops, unet2d_forward_flops
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -152,6 +158,29 @@ def test_counter_for_the_digits_adapter_with_lora_and_mfu(tiny_adapter):
     assert DiffusionFlopsCounter(1.0, peak_flops=None).mfu(1.0, 1.0) is None
     with pytest.raises(ValueError, match="sample_flops must be > 0"):
         DiffusionFlopsCounter(0.0)
+
+
+def test_fused_rollout_counts_the_flops_it_executes():
+    """With ``model.fuse_lora_rollout`` the counter's rollout FLOPs are those of the fused forward (no LoRA matmuls,
+    measured by FlopCounterMode inside the engine's rollout context); training FLOPs keep the LoRA's."""
+    adapter = DigitsAdapter(path=None, seed=0)
+    engine = make_engine(adapter, SamplerConfig(num_steps=2), lora_rank=8, fuse_lora_rollout=True)
+    engine.initialize()
+    fused = counter_for_adapter(adapter, 16, 16, lora_rank=8, fused_rollout=True)
+    plain = counter_for_adapter(adapter, 16, 16, lora_rank=8)
+    cond = adapter.encode_prompts(["a red seven"] * 2)
+
+    def executed(ctx) -> int:
+        mode = FlopCounterMode(display=False)
+        with torch.no_grad(), ctx, sdpa_kernel(SDPBackend.MATH), mode:
+            adapter.predict(torch.zeros(2, 3, 16, 16), torch.full((2,), 0.5), cond, 1.0)
+        return mode.get_total_flops()
+
+    with_lora, without = executed(contextlib.nullcontext()), executed(engine.rollout_weights())
+    assert with_lora > without * 1.01  # the LoRA matmuls are a visible share of the tiny model's forward
+    assert fused.rollout_flops(2, 1) == pytest.approx(without, rel=0.05)
+    assert plain.rollout_flops(2, 1) == pytest.approx(with_lora, rel=0.05)
+    assert fused.train_flops(2, 1) == plain.train_flops(2, 1)
 
 
 FAMILY_SIZES = {"digits": 16, "digits_eps": 16, "sd15": 32, "sd3": 32, "flux": 32, "wan": 32, "qwen_image": 32}

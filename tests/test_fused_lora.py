@@ -111,8 +111,12 @@ def test_worker_rollout_with_fused_lora_matches_and_trains():
 
     from tests.test_workers import _request
 
-    plain, fused = worker(False).generate_sequences(_request()), worker(True)
-    traj = fused.generate_sequences(_request())
+    unfused, fused = worker(False), worker(True)
+    plain, traj = unfused.generate_sequences(_request()), fused.generate_sequences(_request())
+    # the MFU counter counts the fused rollout without its LoRA matmuls, training with them
+    assert unfused.flops_counter().rollout_sample_flops is None
+    counter = fused.flops_counter()
+    assert counter.rollout_sample_flops < counter.sample_flops
     torch.testing.assert_close(traj["latents"], plain["latents"], rtol=0, atol=1e-5)
     # the training pass (unfused) recomputes the fused rollout's log-probs to float32 rounding
     del traj["metrics"]

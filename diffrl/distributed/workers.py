@@ -316,7 +316,9 @@ class ActorRolloutRefWorker(TrainingWorker):
         device = adapter.device
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
         try:
-            return counter_for_adapter(adapter, s.height, s.width, lora_rank=self.config.model.lora.rank, device_name=name, peak_flops=peak_flops)
+            m = self.config.model
+            return counter_for_adapter(adapter, s.height, s.width, lora_rank=m.lora.rank, device_name=name, peak_flops=peak_flops,
+                                       fused_rollout=m.fuse_lora_rollout and m.lora.rank > 0)
         except ValueError:
             return None
 

@@ -33,11 +33,15 @@ class DiffusionFlopsCounter:
             ``ModelAdapter.forward_flops`` at the image size, LoRA included).
         device_name: looked up in ``DEVICE_PEAK_FLOPS`` (substring match) unless ``peak_flops`` is given.
         peak_flops: FLOP/s per device to divide by (e.g. a measured matmul peak).
+        rollout_sample_flops: FLOPs of one rollout forward of one sample when they differ from ``sample_flops``:
+            with ``model.fuse_lora_rollout`` the rollout runs the LoRA folded into the weights, so its LoRA
+            matmuls are not executed (None: ``sample_flops``).
     """
 
     sample_flops: float
     device_name: str | None = None
     peak_flops: float | None = None
+    rollout_sample_flops: float | None = None
 
     def __post_init__(self):
         if not self.sample_flops > 0:
@@ -52,7 +56,8 @@ class DiffusionFlopsCounter:
 
     def rollout_flops(self, num_images: int, num_steps: int, guidance_scale: float = 1.0) -> float:
         """Sampling ``num_images`` with ``num_steps`` forwards each (×2 with CFG)."""
-        return self.forward_flops(num_images) * num_steps * (2 if guidance_scale != 1.0 else 1)
+        per = self.sample_flops if self.rollout_sample_flops is None else self.rollout_sample_flops
+        return num_images * per * num_steps * (2 if guidance_scale != 1.0 else 1)
 
     def train_flops(self, num_samples: int, trained_steps: int, guidance_scale: float = 1.0, extra_forwards: int = 0) -> float:
         """A training pass over ``num_samples × trained_steps`` forwards: forward + backward = 3 forwards
@@ -73,7 +78,10 @@ class DiffusionFlopsCounter:
 
 def counter_for_adapter(
     adapter: ModelAdapter, height: int, width: int, *, lora_rank: int = 0, device_name: str | None = None, peak_flops: float | None = None,
+    fused_rollout: bool = False,
 ) -> DiffusionFlopsCounter:
     """A counter for a model adapter's denoiser at image size ``height × width``: the family declares the FLOPs
-    of one forward (``adapter.forward_flops``; a family without a formula raises ``ValueError``)."""
-    return DiffusionFlopsCounter(adapter.forward_flops(height, width, lora_rank=lora_rank), device_name, peak_flops)
+    of one forward (``adapter.forward_flops``; a family without a formula raises ``ValueError``). With
+    ``fused_rollout`` (``model.fuse_lora_rollout``) rollout forwards are counted without their LoRA matmuls."""
+    rollout = adapter.forward_flops(height, width, lora_rank=0) if fused_rollout else None
+    return DiffusionFlopsCounter(adapter.forward_flops(height, width, lora_rank=lora_rank), device_name, peak_flops, rollout)
