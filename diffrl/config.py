@@ -146,7 +146,7 @@ class ModelConfig:
     compile_vae: bool = True
     """with model.compile: also compile the VAE decoder of latent families (AutoencoderKL: SD3, FLUX; default mode), which decodes every rollout"""
     fuse_lora_rollout: bool = False
-    """fold the active LoRA into the base weights during rollouts (one matmul per layer instead of three; exact restore after; costs one copy of the LoRA-targeted weights; rollout log-probs then differ from training's by the fused weights' rounding)"""
+    """fold the active LoRA into the base weights during rollouts (one matmul per layer instead of three; exact restore after; costs one copy of the LoRA-targeted weights; rollout log-probs then differ from training's by the fused weights' rounding; with trainer.num_workers > 1 only on rollout replicas)"""
 
     def adapter_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of the family's adapter: ``options`` plus path, dtype and device."""

@@ -105,6 +105,13 @@ def check_sizes(cfg: Config | DictConfig) -> None:
                 f"model.fsdp=false with trainer.num_workers={W}: the workers would train unsynchronised copies (gradients are "
                 "averaged by FSDP2); keep model.fsdp=true or use trainer.num_workers=1"
             )
+        if cfg.model.fuse_lora_rollout and not int(t.rollout_replicas):
+            raise ValueError(
+                f"model.fuse_lora_rollout=true with trainer.num_workers={W}: the actor ranks sample with FSDP2-sharded weights, which "
+                "cannot be fused; use rollout replicas (trainer.rollout_replicas ≥ 1, whole weights), trainer.num_workers=1 or model.fuse_lora_rollout=false"
+            )
+    if cfg.model.fuse_lora_rollout and int(cfg.model.lora.rank) == 0:
+        raise ValueError("model.fuse_lora_rollout=true needs a LoRA adapter (model.lora.rank > 0); full fine-tuning has nothing to fuse")
     C = int(cfg.reward.async_chunks)
     if C < 1 or t.prompts_per_step % C:
         valid = [d for d in range(1, t.prompts_per_step + 1) if t.prompts_per_step % d == 0]

@@ -10,8 +10,10 @@ from helpers import make_engine
 from diffrl.config import LoraConfig, ModelConfig, SamplerConfig
 from diffrl.distributed.workers import ActorRolloutRefWorker, WorkerConfig
 from diffrl.engine import lora
+from diffrl.recipes import compose
 from diffrl.sampling.rollout import sample_trajectories
 from diffrl.sampling.seeding import Stream, derive
+from diffrl.trainer import check_sizes
 from pipelines import build_adapter
 from pipelines.digits import DigitsAdapter
 from tests.conftest import randomise_lora
@@ -98,6 +100,25 @@ def test_fuse_lora_rollout_needs_a_lora_adapter():
     engine = make_engine(adapter, SamplerConfig(num_steps=2), lora_rank=0, fuse_lora_rollout=True)
     with pytest.raises(ValueError, match="needs a LoRA adapter"):
         engine.initialize()
+
+
+def test_sharded_weights_sample_unfused():
+    """FSDP2-sharded actor ranks (evaluation beside rollout replicas) sample through the LoRA path, unfused."""
+    adapter, engine, settings = _engine(fuse_lora_rollout=True)
+    engine.sharded = True  # what apply_fsdp sets; the weights stay whole here, the engine must not fuse them anyway
+    calls = _lora_calls(engine.module)
+    with torch.no_grad(), engine.rollout_weights():
+        sample_trajectories(adapter, PROMPTS[:1], settings=settings, seeds=SEEDS[:1])
+    assert calls[0] > 0 and not any(m.merged for m in engine._fused.layers())
+
+
+def test_bad_fuse_settings_fail_before_any_work():
+    with pytest.raises(ValueError, match=r"model.fuse_lora_rollout=true needs a LoRA adapter"):
+        check_sizes(compose(["model.fuse_lora_rollout=true", "model.lora.rank=0"]))
+    with pytest.raises(ValueError, match=r"model.fuse_lora_rollout=true with trainer.num_workers=2: .*sharded"):
+        check_sizes(compose(["model.fuse_lora_rollout=true", "trainer.num_workers=2", "trainer.backend=ray"]))
+    # sampling on replicas (whole weights) while the actor ranks are sharded is allowed
+    check_sizes(compose(["model.fuse_lora_rollout=true", "trainer.num_workers=2", "trainer.backend=ray", "trainer.rollout_replicas=1"]))
 
 
 def test_worker_rollout_with_fused_lora_matches_and_trains():

@@ -175,9 +175,7 @@ class DiffusionEngine:
         if self.model.fuse_lora_rollout:
             if not self.uses_lora:
                 raise ValueError("model.fuse_lora_rollout=true needs a LoRA adapter (model.lora.rank > 0); full fine-tuning has nothing to fuse")
-            if self.sharded:
-                raise ValueError("model.fuse_lora_rollout=true cannot fuse FSDP2-sharded weights; set it to false with trainer.num_workers > 1")
-            self._fused = lora.FusedWeights(module)
+            self._fused = lora.FusedWeights(module)  # sharded actor ranks may hold it; they must not sample (rollout_weights)
         if self.model.compile:
             blocks = self.adapter.fsdp_blocks() if self.model.compile_scope == "blocks" else None
             compile_denoiser(module, backend=self.model.compile_backend, mode=self.model.compile_mode, cache_dir=self.model.compile_cache_dir, blocks=blocks)
@@ -201,9 +199,13 @@ class DiffusionEngine:
 
     def rollout_weights(self):
         """Context for gradient-free sampling: with ``model.fuse_lora_rollout`` the active LoRA adapter folded into the
-        base weights (:class:`diffrl.engine.lora.FusedWeights`), otherwise nothing."""
+        base weights (:class:`diffrl.engine.lora.FusedWeights`), otherwise nothing. FSDP2-sharded weights cannot be
+        fused: sharded actor ranks sample unfused (with rollout replicas they only evaluate; without replicas the trainer
+        refuses the setting before any work, ``trainer.check_sizes``)."""
         self.initialize()
-        return self._fused.fused() if self._fused is not None else contextlib.nullcontext()
+        if self._fused is None or self.sharded:
+            return contextlib.nullcontext()
+        return self._fused.fused()
 
     @contextlib.contextmanager
     def reference(self):
