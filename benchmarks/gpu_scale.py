@@ -331,30 +331,24 @@ def measure(args, label: str, compile_on: bool, results: dict):
         print(f"[{label}] rollout profile: wall {p['wall_s']:.2f} s, kernels {p['kernel_s']:.2f} s; by kind {p['kinds_s']}; VAE decode of the batch {r['decode_s']:.2f} s", flush=True)
         for k in p["top_kernels"][:15]:
             print(f"    {k['s']:.3f} s  {k['calls']:5d}×  [{k['kind']}] {k['name'][:110]}", flush=True)
-    if args.rollout_only:
-        r["peak_gb"] = max((p["peak_gb"] for p in mem.phases.values()), default=None)
-        del engine, adapter, td
-        torch._dynamo.reset()
-        if cuda(device):
-            torch.cuda.empty_cache()
-        return
-    train_flops = f["train_step_flops_per_trajectory"] * trained * args.batch
-    with mem.phase("train"):
-        times = timed(lambda: engine.train_batch(td, loss_fn), device, args.repeats)
-    r["train_s"] = median(times)
-    r["train_mfu_executed"] = train_flops / r["train_s"] / peak
-    fwd = f["analytic_forward_flops_per_image"]
-    r["train_mfu_counted"] = (4 if args.cfg > 1 and s["family"] != "flux" else 3) * fwd * trained * args.batch / r["train_s"] / peak
-    print(f"[{label}] rollout {r['rollout_images_per_s']:.2f} img/s (MFU {r['rollout_mfu_executed']:.3f}); train {r['train_s']:.2f} s "
-          f"(MFU executed {r['train_mfu_executed']:.3f}, counted {r['train_mfu_counted']:.3f})", flush=True)
+    if not args.rollout_only:  # the update, and rollout → update end to end
+        train_flops = f["train_step_flops_per_trajectory"] * trained * args.batch
+        with mem.phase("train"):
+            times = timed(lambda: engine.train_batch(td, loss_fn), device, args.repeats)
+        r["train_s"] = median(times)
+        r["train_mfu_executed"] = train_flops / r["train_s"] / peak
+        fwd = f["analytic_forward_flops_per_image"]
+        r["train_mfu_counted"] = (4 if args.cfg > 1 and s["family"] != "flux" else 3) * fwd * trained * args.batch / r["train_s"] / peak
+        print(f"[{label}] rollout {r['rollout_images_per_s']:.2f} img/s (MFU {r['rollout_mfu_executed']:.3f}); train {r['train_s']:.2f} s "
+              f"(MFU executed {r['train_mfu_executed']:.3f}, counted {r['train_mfu_counted']:.3f})", flush=True)
 
-    if args.e2e_iters:
-        with mem.phase("end_to_end"):
-            times = timed(lambda i=[1]: (i.__setitem__(0, i[0] + 1), engine.train_batch(roll(100 + i[0]), loss_fn)), device, args.e2e_iters)
-        r["e2e_iteration_s"] = median(times)
-        r["e2e_images_per_s"] = args.batch / r["e2e_iteration_s"]
-        r["e2e_mfu_executed"] = (rollout_flops + train_flops) / r["e2e_iteration_s"] / peak
-        print(f"[{label}] end to end {r['e2e_images_per_s']:.3f} images/s (MFU {r['e2e_mfu_executed']:.3f}); memory {mem.phases}", flush=True)
+        if args.e2e_iters:
+            with mem.phase("end_to_end"):
+                times = timed(lambda i=[1]: (i.__setitem__(0, i[0] + 1), engine.train_batch(roll(100 + i[0]), loss_fn)), device, args.e2e_iters)
+            r["e2e_iteration_s"] = median(times)
+            r["e2e_images_per_s"] = args.batch / r["e2e_iteration_s"]
+            r["e2e_mfu_executed"] = (rollout_flops + train_flops) / r["e2e_iteration_s"] / peak
+            print(f"[{label}] end to end {r['e2e_images_per_s']:.3f} images/s (MFU {r['e2e_mfu_executed']:.3f}); memory {mem.phases}", flush=True)
     r["peak_gb"] = max((p["peak_gb"] for p in mem.phases.values()), default=None)
     del engine, adapter, td
     torch._dynamo.reset()

@@ -27,13 +27,13 @@ on merged embeddings without position ids, so every token gets the sequential po
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import types
 from pathlib import Path
 
 import torch
+from upstream_parity import main, write_parity
 
 PROMPTS = ["a photo of a red cat", "two dogs on the table", "a blue car left of a green apple", "three apples"]
 SIZES = {"448": (448, 448), "320x256": (320, 256)}
@@ -182,14 +182,8 @@ def ours(out: Path) -> None:
         hidden = reward.model.model(**inputs).last_hidden_state
         mrope = reward.head(hidden[inputs["input_ids"] == reward.reward_id].float())[:, 0]
     report["448"]["max_abs_diff_mu_with_mrope_positions"] = float((mrope - torch.tensor(ref["mu"]["448"])).abs().max())
-    (out / "parity.json").write_text(json.dumps(report, indent=1))
-    print(json.dumps(report, indent=1))
+    write_parity(out, report)
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("side", choices=["upstream", "ours"])
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
-    torch.set_num_threads(2)
-    (upstream if args.side == "upstream" else ours)(Path(args.out))
+    main(__doc__, upstream, ours)

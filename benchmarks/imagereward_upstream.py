@@ -24,7 +24,6 @@ separately, not asserted.
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import sys
@@ -32,6 +31,7 @@ import types
 from pathlib import Path
 
 import torch
+from upstream_parity import main, write_parity
 
 WORDS = ["a", "photo", "of", "red", "blue", "green", "cat", "dog", "car", "two", "three", "on", "the", "table", "left", "apple", "##s"]
 PROMPTS = ["a photo of a red cat", "two dogs on the table", "a blue car left of a green apple", "three apples"]
@@ -109,14 +109,8 @@ def ours(out: Path) -> None:
         mine = reward(torch.load(out / f"images_{name}.pt", weights_only=True), PROMPTS)["imagereward"].tolist()
         diff = max(abs(a - b) for a, b in zip(mine, theirs))
         report[name] = {"upstream": theirs, "diffrl": mine, "max_abs_diff": diff, "score_spread": max(theirs) - min(theirs)}
-    (out / "parity.json").write_text(json.dumps(report, indent=1))
-    print(json.dumps(report, indent=1))
+    write_parity(out, report)
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("side", choices=["upstream", "ours"])
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
-    torch.set_num_threads(2)
-    (upstream if args.side == "upstream" else ours)(Path(args.out))
+    main(__doc__, upstream, ours)

@@ -17,6 +17,7 @@ from diffrl.trainer import check_sizes
 from pipelines import build_adapter
 from pipelines.digits import DigitsAdapter
 from tests.conftest import randomise_lora
+from tests.test_workers import _request
 
 PROMPTS = ["a red seven", "a red seven", "a blue two", "a blue two"]
 SEEDS = [derive(0, Stream.ROLLOUT, 0, i // 2, i % 2) for i in range(4)]
@@ -129,8 +130,6 @@ def test_worker_rollout_with_fused_lora_matches_and_trains():
         w.init_model()
         randomise_lora(w.engine.module, scale=0.2)
         return w
-
-    from tests.test_workers import _request
 
     unfused, fused = worker(False), worker(True)
     plain, traj = unfused.generate_sequences(_request()), fused.generate_sequences(_request())

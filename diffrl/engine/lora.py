@@ -137,26 +137,25 @@ class FusedWeights:
             raise RuntimeError("LoRA weights are fused for gradient-free calls only (rollouts); run them under torch.no_grad()")
         touched = []
         try:
-            with torch.no_grad():
-                for layer in self.layers():
-                    if layer.disable_adapters or layer.merged:
-                        continue
-                    active = [a for a in layer.active_adapters if a in layer.lora_A]
-                    if not active:
-                        continue
-                    weight = layer.get_base_layer().weight
-                    if type(weight.data) is not torch.Tensor:
-                        raise ValueError("model.fuse_lora_rollout needs whole weights; it cannot fuse sharded (FSDP2) parameters, turn it off with trainer.num_workers > 1")
-                    buf = self.buffers.get(id(layer))
-                    if buf is None:
-                        buf = self.buffers[id(layer)] = torch.empty_like(weight.data)
-                    total = weight.data.float()
-                    for a in active:
-                        total = total.addmm(layer.lora_B[a].weight.float(), layer.lora_A[a].weight.float(), alpha=float(layer.scaling[a]))
-                    buf.copy_(total)
-                    touched.append((layer, weight, weight.data))
-                    weight.data = buf
-                    layer.merged_adapters = list(active)
+            for layer in self.layers():
+                if layer.disable_adapters or layer.merged:
+                    continue
+                active = [a for a in layer.active_adapters if a in layer.lora_A]
+                if not active:
+                    continue
+                weight = layer.get_base_layer().weight
+                if type(weight.data) is not torch.Tensor:
+                    raise ValueError("model.fuse_lora_rollout needs whole weights; it cannot fuse sharded (FSDP2) parameters, turn it off with trainer.num_workers > 1")
+                buf = self.buffers.get(id(layer))
+                if buf is None:
+                    buf = self.buffers[id(layer)] = torch.empty_like(weight.data)
+                total = weight.data.float()
+                for a in active:
+                    total = total.addmm(layer.lora_B[a].weight.float(), layer.lora_A[a].weight.float(), alpha=float(layer.scaling[a]))
+                buf.copy_(total)
+                touched.append((layer, weight, weight.data))
+                weight.data = buf
+                layer.merged_adapters = list(active)
             yield
         finally:
             for layer, weight, original in touched:
