@@ -31,14 +31,18 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import inspect
 import json
 import platform
+import re
 import sys
 import time
 import traceback
 from pathlib import Path
 
+import diffusers
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
@@ -221,18 +225,23 @@ def profile_call(fn, device, top: int = 25) -> dict:
             "top_kernels": [{"name": n[:160], "s": t, "calls": c, "kind": kernel_kind(n)} for n, t, c in kernels[:top]]}
 
 
+@contextlib.contextmanager
+def counted_attention(device):
+    """Eager, with SDPA on a backend ``torch.utils.flop_counter`` counts (flash/efficient on CUDA, math on a CPU)."""
+    stance = torch.compiler.set_stance("force_eager") if hasattr(torch.compiler, "set_stance") else contextlib.nullcontext()
+    backends = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH] if cuda(device) else [SDPBackend.MATH]
+    with stance, sdpa_kernel(backends):
+        yield
+
+
 def count_flops(engine, adapter, td, cfg, micro: int, train: bool = True) -> dict:
     """FLOPs actually executed (:class:`OpFlops`, eager, SDPA through flash attention so it is counted): one
     rollout step's CFG forward per image, and one trajectory's training step (forward + backward, recompute
     included); the optimizer step is not run."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     device = adapter.device
     k = int(td["sde_mask"][0].nonzero()[0])
-    stance = torch.compiler.set_stance("force_eager") if hasattr(torch.compiler, "set_stance") else contextlib.nullcontext()
-    backends = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH] if cuda(device) else [SDPBackend.MATH]
     one = td[:1]
-    with stance, sdpa_kernel(backends):
+    with counted_attention(device):
         adapter.denoiser.eval()
         fc = OpFlops()
         with fc, torch.no_grad(), engine.rollout_weights():  # the rollout's weights: LoRA fused or not
@@ -356,6 +365,120 @@ def measure(args, label: str, compile_on: bool, results: dict):
         torch.cuda.empty_cache()
 
 
+REFERENCE_PIPELINES = {"sd3": "StableDiffusion3Pipeline", "flux": "FluxPipeline", "qwen_image": "QwenImagePipeline"}
+"""family → the diffusers pipeline whose eager ``__call__`` is the reference (issue 16's "eager reference")"""
+
+
+def reference_pipeline(adapter, family: str):
+    """The family's diffusers pipeline around the adapter's transformer and VAE (no LoRA, eager), with its
+    scheduler built from the same config; the text encoders are absent (prompts arrive as embeddings)."""
+    if family not in REFERENCE_PIPELINES:
+        raise ValueError(f"no diffusers reference pipeline for family {family!r}; the reference variant supports {sorted(REFERENCE_PIPELINES)}")
+    cls = getattr(diffusers, REFERENCE_PIPELINES[family])
+    parts = {name: None for name in inspect.signature(cls.__init__).parameters if name != "self"}
+    parts.update(transformer=adapter.denoiser, vae=adapter.vae, scheduler=diffusers.FlowMatchEulerDiscreteScheduler.from_config(adapter.scheduler_config))
+    pipe = cls(**parts)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def reference_call(pipe, family: str, cond, group: int, settings, cfg: float, steps: int, seed: int, output_type: str):
+    """One eager pipeline call on cached embeddings, each repeated for ``group`` images per prompt (the pipelines
+    repeat only the embeddings they compute themselves), with the family's guidance
+    (SD3: batched CFG; FLUX: embedded guidance; Qwen-Image: true CFG), then the VAE decode unless
+    ``output_type="latent"``."""
+    cond = cond.apply(lambda t: t.repeat_interleave(group, dim=0), batch_size=[cond.shape[0] * group])
+    kw = dict(prompt_embeds=cond["prompt_embeds"])
+    if family == "sd3":
+        kw.update(pooled_prompt_embeds=cond["pooled_prompt_embeds"], negative_prompt_embeds=cond["negative_prompt_embeds"],
+                  negative_pooled_prompt_embeds=cond["negative_pooled_prompt_embeds"], guidance_scale=cfg)
+    elif family == "flux":
+        kw.update(pooled_prompt_embeds=cond["pooled_prompt_embeds"], guidance_scale=cfg)
+    else:
+        kw.update(prompt_embeds_mask=cond["prompt_embeds_mask"], negative_prompt_embeds=cond["negative_prompt_embeds"],
+                  negative_prompt_embeds_mask=cond["negative_prompt_embeds_mask"], true_cfg_scale=cfg)
+    g = torch.Generator(device=pipe.transformer.device).manual_seed(seed)
+    with torch.no_grad():
+        return pipe(height=settings["height"], width=settings["width"], num_inference_steps=steps,
+                    generator=g, output_type=output_type, return_dict=False, **kw)[0]
+
+
+def measure_reference(args, label: str, results: dict):
+    """The eager diffusers pipeline at the run's shape and batch: images/s of the whole call (denoising loop and
+    VAE decode, as a user of the pipeline gets them) and of the loop alone (``output_type="latent"``), executed
+    FLOPs of the loop counted on one image."""
+    s = args.settings
+    device = args.device
+    r = results.setdefault("variants", {}).setdefault(label, {})
+    mem = Memory(device)
+    r["memory"] = mem.phases
+    kwargs = dict(shape=s.get("shape", args.shape), dtype=args.dtype, device=device, drop_text_encoders=True)
+    if "frames" in s:
+        raise ValueError(f"the reference variant measures image pipelines; shape {args.shape} is video")
+    with mem.phase("build"):
+        adapter = build_adapter(s["family"], **kwargs)
+    prompts = prompts_of_length(adapter, args.batch // args.group, args.n_text)
+    adapter.cache_prompts(prompts)
+    cond = adapter.encode_prompts(prompts).to(device)
+    pipe = reference_pipeline(adapter, s["family"])
+    call = lambda i, out="pt", c=cond, group=args.group: reference_call(pipe, s["family"], c, group, s, args.cfg, args.steps, args.seed + i, out)  # noqa: E731
+    t0 = time.perf_counter()
+    with mem.phase("rollout_warmup"):
+        images = call(0)
+    r["first_rollout_s"] = time.perf_counter() - t0
+    r["images_shape"] = list(images.shape)
+    if "flops_reference" not in results:
+        fc = OpFlops()
+        with counted_attention(device), fc:
+            call(0, "latent", cond[:1], 1)
+        results["flops_reference"] = {"loop_flops_per_image": float(fc.get_total_flops())}
+    peak = args.peak_tflops * 1e12
+    with mem.phase("rollout"):
+        times = timed(lambda: call(1), device, args.repeats)
+    r["rollout_s"] = median(times)
+    r["rollout_images_per_s"] = args.batch / r["rollout_s"]
+    r["rollout_mfu_executed"] = results["flops_reference"]["loop_flops_per_image"] * args.batch / r["rollout_s"] / peak
+    times = timed(lambda: call(2, "latent"), device, args.repeats)
+    r["loop_s"] = median(times)
+    r["loop_images_per_s"] = args.batch / r["loop_s"]
+    r["loop_mfu_executed"] = results["flops_reference"]["loop_flops_per_image"] * args.batch / r["loop_s"] / peak
+    r["peak_gb"] = max((p["peak_gb"] for p in mem.phases.values()), default=None)
+    print(f"[{label}] eager {REFERENCE_PIPELINES[s['family']]}: {r['rollout_images_per_s']:.2f} img/s with the VAE decode "
+          f"(MFU {r['rollout_mfu_executed']:.3f}), {r['loop_images_per_s']:.2f} img/s for the denoising loop alone (MFU {r['loop_mfu_executed']:.3f})", flush=True)
+
+
+def pair_of(label: str) -> str:
+    """The pair a variant belongs to: a one-character suffix (``compiled_b`` pairs with ``reference_b`` and
+    ``eager_b``), none for the first pair."""
+    m = re.search(r"_(\w)$", label)
+    return m.group(1) if m else ""
+
+
+def speedups(results: dict) -> None:
+    """Each variant's rollout images/s over the eager diffrl run and over the diffusers reference of its own pair
+    (``rollout_speedup_vs_eager``, ``rollout_speedup_vs_reference``), and, per variant kind, those ratios over
+    all the pairs (``pairs``: each ratio, their mean)."""
+    variants = results.get("variants", {})
+    base = lambda label: label[: -2] if pair_of(label) else label  # noqa: E731
+    for ref_kind in ("eager", "reference"):
+        refs = {pair_of(k): v for k, v in variants.items() if base(k) == ref_kind and v.get("rollout_images_per_s")}
+        for label, r in variants.items():
+            ref = refs.get(pair_of(label))
+            if base(label) != ref_kind and ref and r.get("rollout_images_per_s"):
+                r[f"rollout_speedup_vs_{ref_kind}"] = r["rollout_images_per_s"] / ref["rollout_images_per_s"]
+    pairs: dict[str, dict] = {}
+    for label, r in variants.items():
+        for ref_kind in ("eager", "reference"):
+            if f"rollout_speedup_vs_{ref_kind}" in r:
+                entry = pairs.setdefault(base(label), {}).setdefault(f"vs_{ref_kind}", {"ratios": []})
+                entry["ratios"].append(round(r[f"rollout_speedup_vs_{ref_kind}"], 4))
+    for kinds in pairs.values():
+        for entry in kinds.values():
+            entry["mean"] = sum(entry["ratios"]) / len(entry["ratios"])
+    if pairs:
+        results["pairs"] = pairs
+
+
 def engine_forward_flops(adapter, s, args, n_text: int) -> float:
     """The family's analytic forward FLOPs (``pipelines.flops``) at this run's prompt length."""
     adapter.prompt_tokens = lambda: n_text  # the formula's text length: this run's prompts, not the family's default prompt
@@ -369,7 +492,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="qwen_image", choices=sorted(SETTINGS))
     p.add_argument("--recipe", default=None, choices=sorted(RECIPES), help="a published recipe's shape (sets shape, steps, CFG, window, LoRA, batch)")
-    p.add_argument("--variants", default="eager,compiled", help="comma list of eager, compiled and their variants: a label holding "
+    p.add_argument("--variants", default="eager,compiled", help="comma list of reference (the family's eager diffusers pipeline, no LoRA), "
+                   "eager, compiled and their variants; a one-character suffix (_b, _c) makes another pair, measured in turn; a label holding "
                    "'fuse' folds LoRA into the weights for the rollout (model.fuse_lora_rollout), 'novae' leaves the VAE decoder "
                    "uncompiled (model.compile_vae=false), 'graphs' replays CUDA graphs (reduce-overhead), 'whole' compiles the whole model; e.g. eager,compiled,compiled_fuse")
     p.add_argument("--device", default="cuda")
@@ -436,7 +560,12 @@ def main(argv=None):
     with sdpa_priority(args.sdpa if on_gpu else "default"):
         for label in filter(None, args.variants.split(",")):
             try:
-                measure(args, label, label.startswith("compiled"), results)
+                if label.startswith("reference"):
+                    measure_reference(args, label, results)
+                    if on_gpu:  # its pipeline and adapter went with the call
+                        torch.cuda.empty_cache()
+                else:
+                    measure(args, label, label.startswith("compiled"), results)
             except Exception as exc:  # noqa: BLE001 - keep what the other variants measured
                 results.setdefault("variants", {}).setdefault(label, {})["error"] = f"{type(exc).__name__}: {exc}"
                 traceback.print_exc()
@@ -444,14 +573,13 @@ def main(argv=None):
                     results["variants"][label]["memory_at_error_gb"] = gb(torch.cuda.max_memory_allocated())
                     torch.cuda.empty_cache()
             out.write_text(json.dumps(results, indent=2, default=str))
-    eager = results.get("variants", {}).get("eager", {})
-    for label, r in results.get("variants", {}).items():
-        if label != "eager" and eager.get("rollout_images_per_s") and r.get("rollout_images_per_s"):
-            r["rollout_speedup_vs_eager"] = r["rollout_images_per_s"] / eager["rollout_images_per_s"]
+    speedups(results)
     if "rollout_speedup_vs_eager" in results.get("variants", {}).get("compiled", {}):
         results["rollout_speedup_compiled_vs_eager"] = results["variants"]["compiled"]["rollout_speedup_vs_eager"]
     out.write_text(json.dumps(results, indent=2, default=str))
     print(table(results))
+    for kind, entry in results.get("pairs", {}).items():
+        print(f"  {kind}: " + "; ".join(f"{k} {v['mean']:.3f}× (pairs {v['ratios']})" for k, v in entry.items()), flush=True)
     return results
 
 

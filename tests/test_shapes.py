@@ -219,6 +219,30 @@ def test_scale_benchmark_counts_the_recompute_and_keeps_parity(tmp_path):
     assert 0.4 < ratio[1] - ratio[0] <= 0.5
 
 
+def test_scale_benchmark_reference_is_the_diffusers_pipeline(tmp_path):
+    """The scale benchmark's ``reference`` variant is ``StableDiffusion3Pipeline`` called eagerly on the cached
+    embeddings: it returns the batch's decoded images, executes per step the FLOPs of diffrl's CFG rollout step with
+    LoRA fused (two forwards of the same transformer; within 1 %), and each pair's speed-up is taken against the
+    reference of its own pair."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from gpu_scale import main as scale
+
+    out = scale(["--shape", "tiny_sd3", "--variants", "reference,eager_fuse,reference_b,eager_fuse_b", "--device", "cpu", "--batch", "4",
+                 "--group", "2", "--steps", "4", "--repeats", "1", "--rollout-only", "--rank", "1", "--alpha", "1", "--out", str(tmp_path / "ref.json")])
+    v = out["variants"]
+    assert all("error" not in r for r in v.values())
+    assert v["reference"]["images_shape"] == [4, 3, 32, 32]
+    per_step = out["flops_reference"]["loop_flops_per_image"] / 4
+    assert abs(per_step / out["flops_fused"]["rollout_step_flops_per_image"] - 1) < 0.01
+    pairs = out["pairs"]["eager_fuse"]["vs_reference"]
+    expect = [v[f"eager_fuse{s}"]["rollout_images_per_s"] / v[f"reference{s}"]["rollout_images_per_s"] for s in ("", "_b")]
+    assert pairs["ratios"] == [round(x, 4) for x in expect]
+    assert abs(pairs["mean"] - sum(pairs["ratios"]) / 2) < 1e-12
+
+
 def test_hook_free_flop_counter_equals_flop_counter_mode():
     """The scale benchmark counts executed FLOPs with its own dispatch mode (no module hooks, so activation
     checkpointing still frees memory); on a forward + backward through linear layers and SDPA it gives
