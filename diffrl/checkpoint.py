@@ -3,7 +3,7 @@
 A checkpoint is a folder ``<root>/step_<N>/`` holding
 
 * ``model.safetensors`` – the trainable weights (the LoRA "default" adapter, or all weights), plus
-  every other LoRA adapter (e.g. "old") so copy/EMA state survives;
+  every other LoRA adapter (DiffusionNFT's "old", ``trainer.ema``'s "ema") so copy/EMA state survives;
 * ``optimizer.safetensors`` + ``optimizer.json`` – AdamW state tensors, param groups and the LR
   scheduler's state;
 * ``old_policy.safetensors`` – the old policy of full fine-tuning (a LoRA "old" adapter is in model);
@@ -34,7 +34,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from diffrl.engine import parallel
+from diffrl.engine import lora, parallel
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 MANIFEST = "manifest.json"
@@ -197,6 +197,11 @@ def set_aside(path: str | Path) -> Path:
     return target
 
 
+def lora_adapters(weights: dict) -> set[str]:
+    """The LoRA adapter names in checkpoint weights (``<module>.lora_A.<adapter>.weight``)."""
+    return {name.split(".lora_A.", 1)[1].split(".", 1)[0] for name in weights if ".lora_A." in name}
+
+
 def load_engine(engine, path: str | Path, *, hashes: bool = True) -> dict:
     """Load weights, the old policy and the optimizer state from a checkpoint folder; return its state.json.
 
@@ -223,6 +228,8 @@ def load_engine(engine, path: str | Path, *, hashes: bool = True) -> dict:
     engine.initialize()
     if any(".old." in n for n in weights) and not engine.has_old:
         engine.copy_to_old()  # the old LoRA adapter is created, then overwritten below
+    for name in sorted(lora_adapters(weights) - {"default", "old"}):
+        lora.ensure_adapter(engine.module, name)  # e.g. trainer.ema's "ema": created, then overwritten below
     params = dict(engine.module.named_parameters())
     missing = [n for n in weights if n not in params]
     if missing:

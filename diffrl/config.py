@@ -302,6 +302,7 @@ class TrainerConfig:
         "rollout_replicas": at_least(0, note="0: rollout on the actor ranks"), "max_staleness": at_least(0, note="0: synchronous"),
         "weight_sync_bucket_mb": positive(), "weight_sync_backend": one_of("gloo", "nccl"),
         "num_gpus_per_rollout": at_least(0, integer=False), "num_cpus_per_rollout": at_least(0, integer=False),
+        "ema_decay": between(0, 1, hi_open=True), "ema_every": at_least(1),
     }
     steps: int = 100
     """RL steps"""
@@ -319,6 +320,15 @@ class TrainerConfig:
     """evaluation samples per prompt (fixed held-out seeds)"""
     eval_seed: int = 1234
     """base seed of evaluation samples (disjoint from training seeds)"""
+    ema: bool = False
+    """evaluate an EMA of the trained LoRA (flow_grpo's train.ema): a LoRA adapter "ema", a copy of the initial adapter,
+    moved towards the trained one every ema_every RL steps by ema ← d·ema + (1 − d)·trained with d = min((1 + s)/(10 + s),
+    ema_decay) after s steps; evaluations, and by default diffrl sample/eval/export-lora of its checkpoints, use it; rollouts
+    keep sampling the trained weights"""
+    ema_decay: float = 0.9
+    """the EMA's decay once warmed up (flow_grpo: 0.9)"""
+    ema_every: int = 8
+    """RL steps between EMA updates (flow_grpo: 8 optimizer steps)"""
     checkpoint_every: int = 50
     """write a LoRA checkpoint every N steps (and at the end); 0: only at the end"""
     output_dir: Optional[str] = None

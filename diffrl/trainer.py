@@ -112,6 +112,8 @@ def check_sizes(cfg: Config | DictConfig) -> None:
             )
     if cfg.model.fuse_lora_rollout and int(cfg.model.lora.rank) == 0:
         raise ValueError("model.fuse_lora_rollout=true needs a LoRA adapter (model.lora.rank > 0); full fine-tuning has nothing to fuse")
+    if t.ema and int(cfg.model.lora.rank) == 0:
+        raise ValueError("trainer.ema=true keeps an EMA of the LoRA (model.lora.rank > 0); full fine-tuning has none: train a LoRA or set trainer.ema=false")
     C = int(cfg.reward.async_chunks)
     if C < 1 or t.prompts_per_step % C:
         valid = [d for d in range(1, t.prompts_per_step + 1) if t.prompts_per_step % d == 0]
@@ -129,6 +131,11 @@ def check_sizes(cfg: Config | DictConfig) -> None:
         raise ValueError(f"trainer.rollout_replicas={R} must divide the {batch // C} rollouts of a request (prompts_per_step × group_size / reward.async_chunks); valid: {valid}")
     if k and C > 1:
         raise ValueError(f"reward.async_chunks={C} with trainer.max_staleness={k}: off-policy rollouts already overlap rewards with sampling; set reward.async_chunks=1")
+
+
+def ema_decay(steps_done: int, decay: float) -> float:
+    """``trainer.ema``'s decay after ``steps_done`` RL steps: ``min((1 + s)/(10 + s), decay)`` (flow_grpo's EMA warm-up)."""
+    return min((1.0 + steps_done) / (10.0 + steps_done), float(decay))
 
 
 def run_context(cfg: Config) -> RunContext:
@@ -340,6 +347,8 @@ class Trainer:
         request.set_non_tensor("eval_num_steps", int(s.eval_num_steps))
         if s.micro_batch_size:
             request.set_non_tensor("micro_batch_size", int(s.micro_batch_size))
+        if t.ema:
+            request.set_non_tensor("policy", "ema")
         images = self.workers.generate_sequences(request)["images"]
         scores = per_sample_scores(images, prompts, self.eval_metrics, sources)
         metrics = {f"eval/{name}": float(values.mean()) for name, values in scores.items()}
@@ -422,6 +431,8 @@ class Trainer:
                 progress.write(notice)
             self.notices = []
             if before is None:
+                if t.ema:  # the EMA starts at the initial weights
+                    self.workers.copy_adapter("default", "ema")
                 before = self.evaluate(0)
                 log.log({"step": 0, "kind": "eval", **before, "wall_seconds": time.perf_counter() - wall_start})
                 progress.write(f"eval before training: {self._eval_line(before)}")
@@ -524,6 +535,10 @@ class Trainer:
                 record.update(self.behaviour_versions(traj, step, times))
         start = time.perf_counter()
         result = self.algorithm.update(self.workers, traj, scores, step)
+        t = self.cfg.trainer
+        if t.ema and (step + 1) % t.ema_every == 0:
+            record["ema_decay"] = ema_decay(step + 1, t.ema_decay)
+            self.workers.ema_update_adapter("default", "ema", record["ema_decay"])
         self.workers.update_weights(step + 1)
         self.window.advance()
         times["time/train"] = time.perf_counter() - start

@@ -11,3 +11,15 @@ def make_engine(adapter, sampler: SamplerConfig, *, lora_rank: int = 8, lora_alp
     """A ``DiffusionEngine`` over ``adapter`` with the given LoRA and model settings (``ModelConfig`` fields)."""
     model = ModelConfig(lora=LoraConfig(rank=lora_rank, alpha=lora_alpha, target_modules=lora_target_modules), **model_options)
     return DiffusionEngine(adapter, model=model, optim=optim or OptimConfig(), sampler=sampler, micro_batch_size=micro_batch_size)
+
+
+def tiny_run_overrides(tmp_path, out, steps, prompts, *extra, checkpoint_every: int = 2) -> list[str]:
+    """Overrides of a seconds-long run of the default digits recipe: 3 rollout steps, 2 prompts × 3 per step, one
+    evaluation sample per prompt, the prompts written to ``tmp_path/prompts.txt``."""
+    path = tmp_path / "prompts.txt"
+    path.write_text("\n".join(prompts) + "\n")
+    return [
+        "sampler.num_steps=3", "sampler.eval_num_steps=2", f"trainer.steps={steps}", "trainer.prompts_per_step=2",
+        "trainer.group_size=3", "trainer.eval_seeds_per_prompt=1", "trainer.eval_every=100", f"trainer.checkpoint_every={checkpoint_every}",
+        f"trainer.output_dir={out}", "trainer.progress=false", f"trainer.prompts={path}", *extra,
+    ]

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from helpers import make_engine
+from helpers import make_engine, tiny_run_overrides
 from safetensors.torch import load_file
 from tensordict import TensorDict
 
@@ -183,13 +183,7 @@ def test_offline_pairs_file_loading_and_errors(tmp_path, tiny_adapter):
 
 
 def _tiny_overrides(tmp_path, out, steps, *extra):
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("\n".join(PROMPTS) + "\n")
-    return [
-        "sampler.num_steps=3", "sampler.eval_num_steps=2", f"trainer.steps={steps}", "trainer.prompts_per_step=2",
-        "trainer.group_size=3", "trainer.eval_seeds_per_prompt=1", "trainer.eval_every=100", "trainer.checkpoint_every=2",
-        f"trainer.output_dir={out}", "trainer.progress=false", f"trainer.prompts={prompts}", *extra,
-    ]
+    return tiny_run_overrides(tmp_path, out, steps, PROMPTS, *extra)
 
 
 def test_offline_dpo_trains_from_a_pair_file(tmp_path):

@@ -8,7 +8,6 @@ A worker group (``diffrl.distributed.controller``) runs them in-process or as Ra
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -200,7 +199,7 @@ class ActorRolloutRefWorker(TrainingWorker):
     @register(Dispatch.DP_COMPUTE)
     def generate_sequences(self, data: TensorDict) -> TensorDict:
         """Sample trajectories: ``data`` holds non-tensor ``prompts`` and tensor ``seeds``, ``group_id``,
-        optionally ``init_seeds``, ``source_images`` (uint8 ``[B, 3, H, W]``, an editing model's sources) and the non-tensor flags ``policy`` (``current`` | ``old``), ``sde_mask [K]``,
+        optionally ``init_seeds``, ``source_images`` (uint8 ``[B, 3, H, W]``, an editing model's sources) and the non-tensor flags ``policy`` (``current`` | ``old`` | ``ema``), ``sde_mask [K]``,
         ``stochastic_mask [K]``, ``record_means``, ``micro_batch_size``, ``eval_num_steps`` (a deterministic
         evaluation); sampler settings come from the config."""
         if not self._is_rollout:
@@ -209,10 +208,9 @@ class ActorRolloutRefWorker(TrainingWorker):
         start = time.perf_counter()
         self.engine.module.eval()
         policy = get_flag(data, "policy", "current")
-        if policy not in ("current", "old"):
-            raise ValueError(f"generate_sequences: policy must be 'current' or 'old', got {policy!r}")
-        ctx = self.engine.old_policy() if policy == "old" else contextlib.nullcontext()
-        with ctx, torch.no_grad(), self.engine.rollout_weights():
+        if policy not in ("current", "old", "ema"):
+            raise ValueError(f"generate_sequences: policy must be 'current', 'old' or 'ema', got {policy!r}")
+        with self.engine.policy(policy), torch.no_grad(), self.engine.rollout_weights():
             td = self._sample(data, prompts)
         td.set_non_tensor("metrics", {"rollout_seconds": time.perf_counter() - start, "weights_version": self.weights_version})
         return td

@@ -257,6 +257,23 @@ class DiffusionEngine:
             return
         yield self._old_copy
 
+    @contextlib.contextmanager
+    def policy(self, name: str):
+        """Yield the model adapter running as policy ``name``: ``current`` (the trained weights), ``old`` (DiffusionNFT's
+        sampling policy, :meth:`old_policy`) or ``ema`` (the evaluated EMA of ``trainer.ema``, a LoRA adapter)."""
+        if name == "current":
+            yield self.adapter
+        elif name == "old":
+            with self.old_policy() as adapter:
+                yield adapter
+        elif name == "ema":
+            if not self.uses_lora or "ema" not in getattr(self.module, "peft_config", {}):
+                raise ValueError("policy 'ema' needs the LoRA adapter 'ema' (trainer.ema=true with model.lora.rank > 0); this model has none")
+            with lora.adapter_active(self.module, "ema"):
+                yield self.adapter
+        else:
+            raise ValueError(f"unknown policy {name!r}; choose current, old or ema")
+
     def old_state(self) -> dict[str, torch.Tensor]:
         """The old policy's weights that the module's own parameters do not hold (full fine-tuning)."""
         if self.uses_lora or self._old_copy is None:

@@ -1,4 +1,5 @@
-"""LoRA policy states on one denoiser: ``"default"`` (trained), ``"old"`` (copy/EMA), reference = disabled.
+"""LoRA policy states on one denoiser: ``"default"`` (trained), ``"old"`` (copy/EMA), ``"ema"`` (the evaluated EMA,
+``trainer.ema``), reference = disabled.
 
 The reference policy is the same module with every adapter disabled, so no second copy of the model
 exists. ``copy_adapter`` and ``ema_update_adapter`` keep a second adapter (DiffusionNFT's old policy).
@@ -82,10 +83,13 @@ def copy_adapter(module: nn.Module, source: str = "default", target: str = "old"
 
 
 def ema_update_adapter(module: nn.Module, source: str = "default", target: str = "old", decay: float = 0.0) -> None:
-    """``target ← decay·target + (1 − decay)·source``."""
+    """``target ← decay·target + (1 − decay)·source``; a missing ``target`` is created as a copy of ``source``
+    (a fresh adapter's random ``lora_A`` must not enter the average)."""
     if not 0.0 <= decay <= 1.0:
         raise ValueError(f"EMA decay must be in [0, 1], got {decay}")
-    _ensure_adapter(module, source, target)
+    if target not in getattr(module, "peft_config", {}):
+        copy_adapter(module, source, target)
+        return
     src, dst = adapter_parameters(module, source), adapter_parameters(module, target)
     with torch.no_grad():
         for name, p in src.items():

@@ -35,8 +35,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
-from diffrl.checkpoint import list_checkpoints, write_json_atomic
+from diffrl.checkpoint import list_checkpoints, lora_adapters, write_json_atomic
 from diffrl.data import check_edit_prompts
 from diffrl.data import read_prompts as read_prompt_source
 from diffrl.distributed import build_worker_group
@@ -72,6 +73,9 @@ def _model_arguments(parser) -> None:
     parser.add_argument("--recipe-config", action="store_true", help="compose the config from the recipe + overrides, not the run's config.yaml")
     parser.add_argument("--out", required=True, help="output folder")
     parser.add_argument("--overwrite", action="store_true", help="replace outputs already in --out")
+    parser.add_argument("--adapter", choices=["auto", "default", "ema"], default="auto",
+                        help="the checkpoint's LoRA to use: ema (the EMA a run with trainer.ema=true evaluated), default (the trained "
+                        "weights); auto: ema when the checkpoint holds one")
 
 
 def add_parsers(sub) -> dict:
@@ -215,6 +219,18 @@ def resolve_source(args) -> ModelSource:
     return ModelSource(cfg=cfg, checkpoint=checkpoint, step=step, run_config=run_config)
 
 
+def chosen_adapter(args, source: ModelSource) -> str:
+    """``--adapter`` resolved against the checkpoint: ``ema`` or ``default`` (the base model: ``default``)."""
+    want = getattr(args, "adapter", "auto")
+    held = lora_adapters(load_file(str(source.checkpoint / "model.safetensors"))) if source.checkpoint is not None else set()
+    if want == "ema" and "ema" not in held:
+        where = f"checkpoint {source.checkpoint}" if source.checkpoint is not None else "the base model"
+        raise ValueError(f"--adapter ema: {where} holds no 'ema' LoRA (the run was trained without trainer.ema=true); use --adapter default")
+    if want == "auto":
+        return "ema" if "ema" in held else "default"
+    return want
+
+
 def build_workers(source: ModelSource):
     """One local ``ActorRolloutRefWorker`` group built like the trainer's, with the checkpoint loaded."""
     import torch
@@ -303,8 +319,9 @@ def _describe(source: ModelSource) -> dict:
     }
 
 
-def _request(prompts: list, seeds: list[int], cfg, eval_num_steps: int | None):
-    """The rollout request of ``prompts`` (strings, or ``EditPrompt`` records: their sources go along)."""
+def _request(prompts: list, seeds: list[int], cfg, eval_num_steps: int | None, adapter: str = "default"):
+    """The rollout request of ``prompts`` (strings, or ``EditPrompt`` records: their sources go along), sampled with the
+    LoRA ``adapter`` (``default`` or ``ema``)."""
     from tensordict import NonTensorStack, TensorDict
 
     texts, sources = split_prompts(prompts)
@@ -316,6 +333,7 @@ def _request(prompts: list, seeds: list[int], cfg, eval_num_steps: int | None):
         td.set_non_tensor("eval_num_steps", int(eval_num_steps))
     if cfg.sampler.micro_batch_size:
         td.set_non_tensor("micro_batch_size", int(cfg.sampler.micro_batch_size))
+    td.set_non_tensor("policy", "ema" if adapter == "ema" else "current")
     return td
 
 
@@ -328,11 +346,12 @@ def run_sample(args) -> int:
     cfg = source.cfg
     prompts = check_edit_prompts(prompts, cfg.model.family, cfg.sampler)
     metrics = {} if args.rewards in (["none"],) else build_metrics(cfg, args.rewards or None)
+    adapter = chosen_adapter(args, source)
     workers = build_workers(source)
     all_records = [p for p in prompts for _ in args.seeds]
     seeds = [s for _ in prompts for s in args.seeds]
     steps = None if args.stochastic else cfg.sampler.eval_num_steps
-    images = workers.generate_sequences(_request(all_records, seeds, cfg, steps))["images"]
+    images = workers.generate_sequences(_request(all_records, seeds, cfg, steps, adapter))["images"]
     all_prompts, sources = split_prompts(all_records)
     per_image, means = score_per_image(images, all_prompts, metrics, sources) if metrics else ({}, {})
     (out / "images").mkdir(parents=True, exist_ok=True)
@@ -349,7 +368,7 @@ def run_sample(args) -> int:
     sampler = {"kind": cfg.sampler.kind if args.stochastic or stochastic_eval else "ode/ddim (deterministic)",
                "num_steps": cfg.sampler.num_steps if args.stochastic else cfg.sampler.eval_num_steps,
                "guidance_scale": cfg.sampler.guidance_scale, "height": cfg.sampler.height, "width": cfg.sampler.width}
-    record = {**_describe(source), "sampler": sampler, "mean": {k[5:]: v for k, v in means.items()},
+    record = {**_describe(source), "adapter": adapter, "sampler": sampler, "mean": {k[5:]: v for k, v in means.items()},
               "per_prompt": group_by_prompt(all_prompts, per_image), "samples": samples}
     _write_json(out / "samples.json", record)
     print(json.dumps({"out": str(out), "images": len(samples), "mean": record["mean"]}, indent=2), flush=True)
@@ -365,6 +384,7 @@ def run_eval(args) -> int:
     source = resolve_source(args)
     cfg, t = source.cfg, source.cfg.trainer
     metrics = build_metrics(cfg)
+    adapter = chosen_adapter(args, source)
     workers = build_workers(source)
     prompts = read_prompts(args, required=False) or (read_prompt_source(t.prompts) if t.prompts else workers.default_prompts())
     if not prompts:
@@ -372,7 +392,7 @@ def run_eval(args) -> int:
     prompts = check_edit_prompts(prompts, cfg.model.family, cfg.sampler)
     start = time.perf_counter()
     all_records, seeds = eval_prompts_and_seeds(prompts, t.eval_seeds_per_prompt, t.eval_seed)
-    images = workers.generate_sequences(_request(all_records, seeds, cfg, cfg.sampler.eval_num_steps))["images"]
+    images = workers.generate_sequences(_request(all_records, seeds, cfg, cfg.sampler.eval_num_steps, adapter))["images"]
     all_prompts, sources = split_prompts(all_records)
     per_image, means = score_per_image(images, all_prompts, metrics, sources)
     cells = images if sources is None else torch.cat([sources, images], dim=-1)  # source | edit
@@ -382,7 +402,7 @@ def run_eval(args) -> int:
     settings = {"eval_num_steps": cfg.sampler.eval_num_steps, "guidance_scale": cfg.sampler.guidance_scale,
                 "eval_seeds_per_prompt": t.eval_seeds_per_prompt, "eval_seed": t.eval_seed, "prompts": len(prompts)}
     record = {
-        **_describe(source), "settings": settings, "metrics": means, "gold": cfg.reward.gold, "seconds": time.perf_counter() - start,
+        **_describe(source), "adapter": adapter, "settings": settings, "metrics": means, "gold": cfg.reward.gold, "seconds": time.perf_counter() - start,
         "per_prompt": group_by_prompt(all_prompts, per_image),
         "samples": [{"index": i, "prompt": p, "seed": s, "rewards": {k: v[i] for k, v in per_image.items()}} for i, (p, s) in enumerate(zip(all_prompts, seeds))],
     }
@@ -403,7 +423,8 @@ def diffusers_lora_state(weights: dict, *, rank: int, alpha: float, adapter: str
     ``<module>.lora_A.<adapter>.weight`` → ``<module>.lora_A.weight`` (the pipeline's ``save_lora_weights``
     prefixes the component, e.g. ``transformer.``); ``lora_B`` is multiplied by
     ``alpha / rank`` (peft's ``scaling``), so a loader using ``lora_alpha = r`` computes
-    ``W + (alpha/r)·B·A`` as diffrl did. Other adapters (DiffusionNFT's ``old``) are left out.
+    ``W + (alpha/r)·B·A`` as diffrl did. Other adapters (DiffusionNFT's ``old``, or ``default`` when ``ema`` is exported)
+    are left out.
     """
     if rank <= 0:
         raise ValueError("model.lora.rank is 0: the checkpoint holds full fine-tuned weights, not a LoRA; there is no LoRA to export")
@@ -424,7 +445,6 @@ def diffusers_lora_state(weights: dict, *, rank: int, alpha: float, adapter: str
 
 def run_export_lora(args) -> int:
     import diffusers
-    from safetensors.torch import load_file
 
     if getattr(args, "base", False):
         raise ValueError("export-lora exports a trained checkpoint; --base has no LoRA")
@@ -447,7 +467,8 @@ def run_export_lora(args) -> int:
         rank, alpha = int(saved["rank"]), float(saved["alpha"])
     else:
         rank, alpha = int(cfg.model.lora.rank), float(cfg.model.lora.alpha)
-    state = diffusers_lora_state(weights, rank=rank, alpha=alpha)
+    adapter = chosen_adapter(args, source)
+    state = diffusers_lora_state(weights, rank=rank, alpha=alpha, adapter=adapter)
     modules = sorted({k.rsplit(".lora_", 1)[0] for k in state})
     out = prepare_out(args.out, [LORA_WEIGHT_NAME, "diffrl_lora.json"], args.overwrite)
     metadata = {"r": rank, "lora_alpha": rank, "target_modules": modules}
@@ -460,10 +481,10 @@ def run_export_lora(args) -> int:
             "config.yaml; if the checkpoint was trained with another alpha, pass model.lora.alpha=<its value>", file=sys.stderr, flush=True,
         )
     info = {
-        **_describe(source), "pipeline": pipeline_name, "component": prefix, "file": LORA_WEIGHT_NAME, "rank": rank,
+        **_describe(source), "adapter": adapter, "pipeline": pipeline_name, "component": prefix, "file": LORA_WEIGHT_NAME, "rank": rank,
         "trained_alpha": alpha, "scale_folded_into_lora_B": alpha / rank, "modules": len(modules),
         "load": f"diffusers.{pipeline_name}.from_pretrained(<base model>).load_lora_weights({str(out)!r})",
     }
     _write_json(out / "diffrl_lora.json", info)
-    print(json.dumps({"out": str(out), "pipeline": pipeline_name, "tensors": len(state), "rank": rank}, indent=2), flush=True)
+    print(json.dumps({"out": str(out), "pipeline": pipeline_name, "adapter": adapter, "tensors": len(state), "rank": rank}, indent=2), flush=True)
     return 0
