@@ -70,6 +70,7 @@ SETTINGS = {
     "wan21_14b": dict(family="wan", height=480, width=832, frames=33, cfg=5.0, mlp=["ffn.net.0.proj", "ffn.net.2"]),
     "wan21_1_3b": dict(family="wan", height=480, width=832, frames=33, cfg=5.0, mlp=["ffn.net.0.proj", "ffn.net.2"]),
     "tiny_sd3": dict(family="sd3", shape="tiny", height=32, width=32, cfg=4.5, mlp=["ff.net.0.proj", "ff.net.2"]),
+    "tiny_flux": dict(family="flux", shape="tiny", height=32, width=32, cfg=3.5, mlp=["ff.net.0.proj", "ff.net.2"]),
     "tiny_qwen_image": dict(family="qwen_image", shape="tiny", height=32, width=32, cfg=4.0, mlp=QWEN_MLP),
     "tiny_wan": dict(family="wan", shape="tiny", height=32, width=32, frames=5, cfg=5.0, mlp=["ffn.net.0.proj", "ffn.net.2"]),
 }
@@ -394,9 +395,11 @@ def reference_call(pipe, family: str, cond, group: int, settings, cfg: float, st
                   negative_pooled_prompt_embeds=cond["negative_pooled_prompt_embeds"], guidance_scale=cfg)
     elif family == "flux":
         kw.update(pooled_prompt_embeds=cond["pooled_prompt_embeds"], guidance_scale=cfg)
-    else:
-        kw.update(prompt_embeds_mask=cond["prompt_embeds_mask"], negative_prompt_embeds=cond["negative_prompt_embeds"],
-                  negative_prompt_embeds_mask=cond["negative_prompt_embeds_mask"], true_cfg_scale=cfg)
+    else:  # Qwen-Image: the cache pads to the longest prompt of the family; the pipeline's own encode_prompt keeps the batch's longest
+        for pre in ("", "negative_"):
+            n = int(cond[f"{pre}prompt_embeds_mask"].sum(-1).max())
+            kw[f"{pre}prompt_embeds"], kw[f"{pre}prompt_embeds_mask"] = cond[f"{pre}prompt_embeds"][:, :n], cond[f"{pre}prompt_embeds_mask"][:, :n]
+        kw.update(true_cfg_scale=cfg)
     g = torch.Generator(device=pipe.transformer.device).manual_seed(seed)
     with torch.no_grad():
         return pipe(height=settings["height"], width=settings["width"], num_inference_steps=steps,

@@ -219,18 +219,19 @@ def test_scale_benchmark_counts_the_recompute_and_keeps_parity(tmp_path):
     assert 0.4 < ratio[1] - ratio[0] <= 0.5
 
 
-def test_scale_benchmark_reference_is_the_diffusers_pipeline(tmp_path):
-    """The scale benchmark's ``reference`` variant is ``StableDiffusion3Pipeline`` called eagerly on the cached
-    embeddings: it returns the batch's decoded images, executes per step the FLOPs of diffrl's CFG rollout step with
-    LoRA fused (two forwards of the same transformer; within 1 %), and each pair's speed-up is taken against the
-    reference of its own pair."""
+@pytest.mark.parametrize("shape", ["tiny_sd3", "tiny_flux", "tiny_qwen_image"])
+def test_scale_benchmark_reference_is_the_diffusers_pipeline(tmp_path, shape):
+    """The scale benchmark's ``reference`` variant is the family's diffusers pipeline (``StableDiffusion3Pipeline``,
+    ``FluxPipeline``, ``QwenImagePipeline``) called eagerly on the cached embeddings: it returns the batch's decoded
+    images, executes per step the FLOPs of diffrl's guided rollout step with LoRA fused (the same transformer on the
+    same tokens; within 1 %), and each pair's speed-up is taken against the reference of its own pair."""
     import sys
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     from gpu_scale import main as scale
 
-    out = scale(["--shape", "tiny_sd3", "--variants", "reference,eager_fuse,reference_b,eager_fuse_b", "--device", "cpu", "--batch", "4",
+    out = scale(["--shape", shape, "--variants", "reference,eager_fuse,reference_b,eager_fuse_b", "--device", "cpu", "--batch", "4",
                  "--group", "2", "--steps", "4", "--repeats", "1", "--rollout-only", "--rank", "1", "--alpha", "1", "--out", str(tmp_path / "ref.json")])
     v = out["variants"]
     assert all("error" not in r for r in v.values())
