@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from diffrl.engine import lora, parallel
@@ -200,6 +200,12 @@ def set_aside(path: str | Path) -> Path:
 def lora_adapters(weights: dict) -> set[str]:
     """The LoRA adapter names in checkpoint weights (``<module>.lora_A.<adapter>.weight``)."""
     return {name.split(".lora_A.", 1)[1].split(".", 1)[0] for name in weights if ".lora_A." in name}
+
+
+def checkpoint_adapters(path: str | Path) -> set[str]:
+    """The LoRA adapters a checkpoint folder holds (read from ``model.safetensors``' keys, no tensor loaded)."""
+    with safe_open(str(Path(path) / "model.safetensors"), framework="pt") as f:
+        return lora_adapters(dict.fromkeys(f.keys()))
 
 
 def load_engine(engine, path: str | Path, *, hashes: bool = True) -> dict:

@@ -439,6 +439,9 @@ class Trainer:
                 last_eval = before
             else:
                 progress.write(f"resumed from {self.resume_path} at step {start_step}")
+                if t.ema and "ema" not in checkpoint.checkpoint_adapters(self.resume_path):
+                    self.workers.copy_adapter("default", "ema")
+                    progress.write("trainer.ema: the checkpoint holds no EMA (it was trained without trainer.ema); the EMA starts from its weights")
                 if last_eval is None:
                     last_eval = self._evaluate_or_stop(start_step, wall_start, progress)
             self._rollout_queue, self._next_rollout, self._initial_sync = {}, start_step, None

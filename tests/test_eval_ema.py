@@ -86,6 +86,29 @@ def test_ema_resumes_exactly(ema_run):
         assert torch.equal(a[key], b[key]), key
 
 
+def test_turning_the_ema_on_or_off_on_resume(tmp_path):
+    """On: a checkpoint without an EMA starts one from its weights. Off: the checkpoint's EMA is no longer what the run
+    evaluates, so ``diffrl eval --run`` takes the trained weights."""
+    on = tmp_path / "on"
+    no_ema = [o for o in _overrides(tmp_path, on, 2) if not o.startswith("trainer.ema")]
+    Trainer(compose(no_ema)).fit()
+    Trainer(compose(_overrides(tmp_path, on, 3, "trainer.resume=auto"))).fit()
+    w2, w3 = _weights(on, 2), _weights(on, 3)
+    assert not any(".ema." in k for k in w2)
+    d = ema_decay(3, 0.9)
+    for k in (k for k in w3 if ".ema." in k):
+        torch.testing.assert_close(w3[k], d * w2[k.replace(".ema.", ".default.")] + (1 - d) * w3[k.replace(".ema.", ".default.")], rtol=1e-6, atol=1e-9)
+    assert main(["eval", "--run", str(on), "--out", str(tmp_path / "e_on")]) == 0
+    assert json.loads((tmp_path / "e_on" / "eval.json").read_text())["adapter"] == "ema"
+
+    off = tmp_path / "off"
+    Trainer(compose(_overrides(tmp_path, off, 2))).fit()
+    Trainer(compose([o for o in _overrides(tmp_path, off, 3, "trainer.resume=auto") if not o.startswith("trainer.ema")])).fit()
+    assert any(".ema." in k for k in _weights(off, 3))  # kept, no longer updated
+    assert main(["eval", "--run", str(off), "--out", str(tmp_path / "e_off")]) == 0
+    assert json.loads((tmp_path / "e_off" / "eval.json").read_text())["adapter"] == "default"
+
+
 def test_evaluations_sample_the_ema_and_diffrl_eval_reproduces_them(ema_run, tmp_path):
     _, run = ema_run
     last = [r for r in read_jsonl(run / "metrics.jsonl") if r["kind"] == "eval"][-1]

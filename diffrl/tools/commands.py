@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from diffrl.checkpoint import list_checkpoints, lora_adapters, write_json_atomic
+from diffrl.checkpoint import checkpoint_adapters, list_checkpoints, write_json_atomic
 from diffrl.data import check_edit_prompts
 from diffrl.data import read_prompts as read_prompt_source
 from diffrl.distributed import build_worker_group
@@ -220,14 +220,17 @@ def resolve_source(args) -> ModelSource:
 
 
 def chosen_adapter(args, source: ModelSource) -> str:
-    """``--adapter`` resolved against the checkpoint: ``ema`` or ``default`` (the base model: ``default``)."""
+    """``--adapter`` resolved against the checkpoint: ``ema`` or ``default`` (the base model: ``default``). ``auto`` takes
+    what the run evaluated: ``ema`` when the checkpoint holds one and the run's config has ``trainer.ema`` on (a run
+    that turned it off on resume keeps a stale EMA); without the run's config, ``ema`` whenever the checkpoint holds one."""
     want = getattr(args, "adapter", "auto")
-    held = lora_adapters(load_file(str(source.checkpoint / "model.safetensors"))) if source.checkpoint is not None else set()
+    held = checkpoint_adapters(source.checkpoint) if source.checkpoint is not None else set()
     if want == "ema" and "ema" not in held:
         where = f"checkpoint {source.checkpoint}" if source.checkpoint is not None else "the base model"
         raise ValueError(f"--adapter ema: {where} holds no 'ema' LoRA (the run was trained without trainer.ema=true); use --adapter default")
     if want == "auto":
-        return "ema" if "ema" in held else "default"
+        evaluated = bool(source.cfg.trainer.ema) if source.run_config is not None else True
+        return "ema" if "ema" in held and evaluated else "default"
     return want
 
 
