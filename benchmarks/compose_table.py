@@ -7,7 +7,8 @@ Reads each finished run folder (``diffrl train experiment=digits_compose_<name>`
 ``eval/digits_compose_gold`` and ``eval/digits_compose_gold/<task>``) and writes into ``--out``:
 
 - ``table.md``: one row for the base model (the runs' shared step-0 evaluation) and one per run, overall and per
-  task type, with the change in points, the paired t of the overall change, steps and wall time;
+  task type, with the change in points, the paired t of the overall change, steps and wall time, and the overall gold
+  averaged over the run's last ``--last-k`` evaluations (a steadier figure where the curve oscillates between evaluations);
 - ``gold_by_task.png``: gold per task type before and after every run (bars), and overall gold against step;
 - ``<name>/``: the run folder without its checkpoints — ``config.yaml``, ``metrics.jsonl``, ``summary.json`` and
   the first and last evaluations' grids and per-sample rows — which the notebook reads for its grids.
@@ -40,6 +41,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--run", action="append", required=True, help="NAME=RUN_DIR (repeatable)")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--last-k", type=int, default=3, help="evaluations averaged in the last column (the final one included)")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -52,15 +54,17 @@ def main(argv=None) -> None:
     for name, first in firsts.items():
         if any(abs(first[key(c)] - base[key(c)]) > 1e-9 for c in COLUMNS):
             raise SystemExit(f"run {name!r} starts from another base model or evaluation set than the first run")
-    head = "| model | steps | wall (s) | " + " | ".join(COLUMNS) + " | paired t (overall) |"
-    lines = [head, "|---|---:|---:|" + "---:|" * len(COLUMNS) + "---:|",
-             "| base (`assets/digits_compose`) | – | – | " + " | ".join(f"{base[key(c)]:.3f}" for c in COLUMNS) + " | – |"]
+    head = "| model | steps | wall (s) | " + " | ".join(COLUMNS) + f" | paired t (overall) | overall, mean of the last {args.last_k} evaluations |"
+    lines = [head, "|---|---:|---:|" + "---:|" * len(COLUMNS) + "---:|---:|",
+             "| base (`assets/digits_compose`) | – | – | " + " | ".join(f"{base[key(c)]:.3f}" for c in COLUMNS) + " | – | – |"]
     for name, run in runs.items():
         last = run.eval.iloc[-1]
         summary = json.loads((run.path / "summary.json").read_text())
         t = (summary.get("paired_change") or {}).get("digits_compose_gold", {}).get("t", float("nan"))
         cells = [f"{last[key(c)]:.3f} ({100 * (last[key(c)] - base[key(c)]):+.1f})" for c in COLUMNS]
-        lines.append(f"| {name} | {int(last['step'])} | {summary['wall_seconds']:.0f} | " + " | ".join(cells) + f" | {t:.1f} |")
+        tail = run.eval[GOLD].iloc[1:].iloc[-args.last_k:]  # trained evaluations only
+        late = f"{tail.mean():.3f} ({100 * (tail.mean() - base[GOLD]):+.1f}; steps {int(run.eval['step'].iloc[-len(tail)])}–{int(last['step'])})"
+        lines.append(f"| {name} | {int(last['step'])} | {summary['wall_seconds']:.0f} | " + " | ".join(cells) + f" | {t:.1f} | {late} |")
         dest = out / name
         shutil.rmtree(dest, ignore_errors=True)
         (dest / "images").mkdir(parents=True)
