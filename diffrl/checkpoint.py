@@ -232,10 +232,8 @@ def load_engine(engine, path: str | Path, *, hashes: bool = True) -> dict:
     except (SafetensorError, OSError, ValueError, KeyError) as exc:
         raise CheckpointError(f"checkpoint {path} cannot be read ({exc}); nothing was loaded") from None
     engine.initialize()
-    if any(".old." in n for n in weights) and not engine.has_old:
-        engine.copy_to_old()  # the old LoRA adapter is created, then overwritten below
-    for name in sorted(lora_adapters(weights) - {"default", "old"}):
-        lora.ensure_adapter(engine.module, name)  # e.g. trainer.ema's "ema": created, then overwritten below
+    for name in sorted(lora_adapters(weights) - {"default"}):
+        lora.ensure_adapter(engine.module, name)  # DiffusionNFT's "old", trainer.ema's "ema": created, then overwritten below
     params = dict(engine.module.named_parameters())
     missing = [n for n in weights if n not in params]
     if missing:

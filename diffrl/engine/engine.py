@@ -230,11 +230,8 @@ class DiffusionEngine:
         if not 0.0 <= decay <= 1.0:
             raise ValueError(f"EMA decay must be in [0, 1], got {decay}")
         self.initialize()
-        if self.uses_lora:
-            if not self.has_old:
-                lora.copy_adapter(self.module, "default", "old")
-            else:
-                lora.ema_update_adapter(self.module, "default", "old", decay)
+        if self.uses_lora:  # a missing "old" adapter is created as a copy
+            lora.ema_update_adapter(self.module, "default", "old", decay)
             return
         if self._old_copy is None:
             if self.sharded:
