@@ -117,7 +117,10 @@ class ModelConfig:
     family: str = "digits"
     """model family (pipelines/<family>)"""
     path: Optional[str] = None
-    """local diffusers folder with the weights; null builds the family's tiny random config"""
+    """the weights: a local diffusers folder or a Hugging Face Hub id (org/name, resolved through the HF cache: only the
+    family's components are downloaded; HF_HUB_OFFLINE=1 takes the cached snapshot); null builds the family's random config"""
+    revision: Optional[str] = None
+    """Hub revision (branch, tag or commit) of a model.path given as a Hub id; null: the default branch"""
     dtype: str = "float32"
     """denoiser dtype: float32 | bfloat16 | float16"""
     device: str = "cpu"
@@ -151,7 +154,7 @@ class ModelConfig:
     def adapter_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of the family's adapter: ``options`` plus path, dtype and device."""
         options = OmegaConf.to_container(self.options, resolve=True) if isinstance(self.options, DictConfig) else dict(self.options)
-        return {**options, "path": self.path, "dtype": self.dtype, "device": self.device}
+        return {**options, "path": self.path, "revision": self.revision, "dtype": self.dtype, "device": self.device}
 
 
 @dataclass

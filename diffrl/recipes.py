@@ -21,9 +21,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from diffrl.algorithms import check_config, config_schema
 from diffrl.config import Check, ModelConfig, RewardConfig, SamplerConfig, TrainerConfig
+from diffrl.hub import HubError, is_hub_ref, offline, resolve_weights
 from diffrl.sampling.schedules import WINDOW_KINDS
 from diffrl.sampling.sde import ODE_SOLVERS, STEP_KINDS
-from pipelines.base import check_adapter_options
+from pipelines.base import check_adapter_options, resolve_model_path
 from rewards.base import RewardError, resolve_reward
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
@@ -210,4 +211,35 @@ def validate(cfg: Config | DictConfig) -> Config:
             resolve_reward(name)
         except RewardError as exc:
             raise ConfigError(f"reward {name!r} (reward.names / gold / judges / feature_space) is invalid: {exc}") from None
+    if offline():
+        check_hub_cache(cfg)
     return cfg
+
+
+def hub_weights(cfg: Config) -> list[tuple[str, str, str]]:
+    """``(config key, Hub reference, kind)`` of every checkpoint the run loads from the Hub: ``model.path`` and each
+    reward's weights (given in ``reward.options`` or the reward's published default, ``Reward.hub_weights``)."""
+    out = []
+    if cfg.model.path is not None and is_hub_ref(cfg.model.path):
+        out.append(("model.path", str(cfg.model.path), "family"))
+    r = cfg.reward
+    for name in dict.fromkeys([*r.names, *([r.gold] if r.gold else []), *r.judges, *([r.feature_space] if r.feature_space else [])]):
+        refs = getattr(resolve_reward(name), "weight_refs", None)
+        options = dict(r.options.get(name, {}) or {})
+        for option, weights in (refs(options) if callable(refs) else {}).items():
+            if is_hub_ref(weights.ref):
+                out.append((f"+reward.options.{name}.{option}", weights.ref, weights.kind))
+    return out
+
+
+def check_hub_cache(cfg: Config) -> None:
+    """With ``HF_HUB_OFFLINE=1``: every Hub checkpoint of the run is in the Hugging Face cache, else one line naming
+    the repository, the revision and the command that fetches it (before anything is built)."""
+    try:
+        for key, ref, kind in hub_weights(cfg):
+            if kind == "family":
+                resolve_model_path(cfg.model.family, ref, cfg.model.revision)
+            else:
+                resolve_weights(ref, kind, key=key)
+    except HubError as exc:
+        raise ConfigError(str(exc)) from None

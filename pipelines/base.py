@@ -26,6 +26,7 @@ import torch
 from tensordict import TensorDict
 from torch import nn
 
+from diffrl.hub import resolve_folder
 from pipelines.schedules import shifted_sigmas
 from pipelines.shapes import check_shape_path, resolve_shape
 
@@ -133,6 +134,8 @@ class ModelAdapter(abc.ABC):
         cfg_mode: how a guided :meth:`predict` runs its two branches (``model.options.cfg_mode``, see there).
         editing: ``True`` for an editing family: :meth:`encode_prompts` takes the source images, and prompts
             are :class:`EditPrompt` records.
+        hub_components: the sub-folders of a diffusers repository the family loads; a ``model.path`` given as a
+            Hub id (``org/name``) downloads only these (and ``model_index.json``), see :func:`resolve_model_path`.
     """
 
     prediction_type: str = "flow"
@@ -141,6 +144,7 @@ class ModelAdapter(abc.ABC):
     lora_target_modules: list[str] = []
     shift: float = 1.0
     cfg_mode: str = "split"
+    hub_components: tuple[str, ...] = ()
     denoiser: nn.Module
 
     @abc.abstractmethod
@@ -315,9 +319,30 @@ def family_class(family: str) -> type:
     return _FAMILIES[family]
 
 
+# weights a diffusers repository often holds beside the safetensors a family loads: never downloaded
+HUB_IGNORE = ["*.ckpt", "*.bin", "*.pth", "*.msgpack", "*.onnx", "*.onnx_data", "*.h5", "*.pb", "*.gguf"]
+
+
+def hub_patterns(family: str) -> list[str] | None:
+    """``allow_patterns`` of a Hub download of ``family``'s weights: its components and ``model_index.json``
+    (``None``: the whole repository, for a family that declares no components)."""
+    components = family_class(family).hub_components
+    return [f"{c}/*" for c in components] + ["model_index.json"] if components else None
+
+
+def resolve_model_path(family: str, path: str | None, revision: str | None = None) -> str | None:
+    """``model.path`` as a local folder: a local path as it is; a Hub id (``org/name``, ``org/name@rev``) resolved
+    through the Hugging Face cache, downloading only the family's components (one-line ``HubError`` when it
+    cannot be had, e.g. offline and not cached: it names the repository, the revision and the fetch command)."""
+    if path is None:
+        return None
+    return str(resolve_folder(str(path), revision=revision, allow_patterns=hub_patterns(family), ignore_patterns=HUB_IGNORE, key="model.path"))
+
+
 def check_adapter_options(family: str, kwargs: Mapping) -> type:
     """Raise a clear error for keyword arguments the family's adapter does not take; return its class."""
     cls = family_class(family)
+    kwargs = {k: v for k, v in kwargs.items() if k != "revision"}  # model.revision: consumed by resolve_model_path
     params = inspect.signature(cls.__init__).parameters
     if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
         unknown = sorted(set(kwargs) - set(params))
@@ -331,5 +356,10 @@ def check_adapter_options(family: str, kwargs: Mapping) -> type:
 
 
 def build_adapter(family: str, **kwargs) -> ModelAdapter:
-    """Build the adapter of ``family`` (``path=None`` builds the family's tiny random configuration)."""
-    return check_adapter_options(family, kwargs)(**kwargs)
+    """Build the adapter of ``family`` (``path=None`` builds the family's tiny random configuration; ``path`` may
+    be a local diffusers folder or a Hub id, with ``revision``)."""
+    cls = check_adapter_options(family, kwargs)
+    revision = kwargs.pop("revision", None)
+    if kwargs.get("path") is not None:
+        kwargs["path"] = resolve_model_path(family, kwargs["path"], revision)
+    return cls(**kwargs)

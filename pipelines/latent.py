@@ -24,7 +24,7 @@ from pipelines.tiny import TINY_PROMPTS
 def check_folder(folder: Path, family: str, components: tuple[str, ...]) -> None:
     """Raise ``FileNotFoundError`` naming the folder or the first missing component sub-folder."""
     if not folder.is_dir():
-        raise FileNotFoundError(f"{family} model folder {folder} does not exist (model.path); give a local diffusers folder")
+        raise FileNotFoundError(f"{family} model folder {folder} does not exist (model.path); give a local diffusers folder or a Hub id (org/name)")
     for name in components:
         if not (folder / name).is_dir():
             raise FileNotFoundError(f"{family} model folder {folder} lacks the component {name}/ (needs {', '.join(components)})")

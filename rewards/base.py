@@ -33,10 +33,14 @@ from __future__ import annotations
 import base64
 import importlib
 import io
+from dataclasses import dataclass
 from importlib.metadata import entry_points
-from typing import Any, Callable
+from pathlib import Path
+from typing import Any, Callable, ClassVar
 
 import torch
+
+from diffrl.hub import resolve_weights
 
 _REGISTRY: dict[str, type] = {}
 _BUILTIN_MODULES = (
@@ -49,6 +53,16 @@ INPUT_KINDS = ("uint8", "pil")
 
 class RewardError(RuntimeError):
     """A reward produced unusable output (wrong shape, NaN, Inf, out of scale) or could not be built or reached."""
+
+
+@dataclass(frozen=True)
+class Weights:
+    """The published weights of one reward option: a Hub reference (``org/name`` for a folder,
+    ``org/name/<file>`` for one file) and what of it is needed (``model`` | ``processor`` | ``file``,
+    :func:`diffrl.hub.resolve_weights`)."""
+
+    ref: str
+    kind: str = "model"
 
 
 class Reward:
@@ -65,6 +79,9 @@ class Reward:
             and averaged over their frames (see the module docstring).
         needs_source: ``True``: an editing reward; receives ``source_images=`` (see the module docstring).
 
+        hub_weights: option name → :class:`Weights`: the published weights an option loads when it is not given,
+            so the reward works with no options online (or offline from the Hugging Face cache).
+
     Optional method ``groups(prompts) -> list[str | None]``: each prompt's group (GenEval's task type, say);
     evaluations then also report the reward's mean per group, ``eval/<name>/<group>``.
     """
@@ -77,9 +94,36 @@ class Reward:
     device: str = "cpu"
     video: bool = False
     needs_source: bool = False
+    hub_weights: ClassVar[dict[str, Weights]] = {}
 
     def __call__(self, images, prompts: list[str], metadata: Any = None) -> dict[str, torch.Tensor]:
         raise TypeError(f"{type(self).__name__} must define __call__(images, prompts, metadata)")
+
+    def weights_path(self, option: str, value: str | None, what: str) -> Path:
+        """The local file or folder of option ``option``: ``value`` (a local path or a Hub reference), or the
+        option's published weights (:attr:`hub_weights`) when ``value`` is ``None``.
+
+        Raises:
+            RewardError: no value and no published default; diffrl.hub.HubError: a Hub reference that cannot be
+                had (offline and not cached names the fetch command); FileNotFoundError: a local path that does not exist.
+        """
+        spec = self.hub_weights.get(option)
+        if value is None and spec is None:
+            raise RewardError(f"reward {self.name!r} needs {what}: set +reward.options.{self.name}.{option}=<local path or Hub id> "
+                              f"(or pass {option}=... to the constructor); random_init=true builds random weights (tests only)")
+        ref = str(value if value is not None else spec.ref)
+        path = resolve_weights(ref, spec.kind if spec else "model", key=f"+reward.options.{self.name}.{option}")
+        if not path.exists():
+            raise FileNotFoundError(f"reward {self.name!r}: {option}={ref!r} does not exist; it should be {what} (a local path or a Hub id)")
+        return path
+
+    @classmethod
+    def weight_refs(cls, options: dict) -> dict[str, Weights]:
+        """Option → the weights a build with ``options`` loads (given or published), for checks before anything
+        is built; none for an option not given under ``random_init``."""
+        random_init = bool(options.get("random_init", False))
+        return {opt: Weights(str(options[opt]) if options.get(opt) is not None else spec.ref, spec.kind)
+                for opt, spec in cls.hub_weights.items() if options.get(opt) is not None or not random_init}
 
 
 def register_reward(name: str) -> Callable[[type], type]:

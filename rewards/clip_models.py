@@ -21,8 +21,10 @@ to uint8 as PIL does), centre crop 224×224, ``/255``, normalise with the OpenAI
 checks it against open_clip's and transformers' own image processors on PIL images.
 
 Cosines are clamped to [−1, 1] against float round-off, so outputs stay inside each reward's declared
-``scale``. Weights come from local paths only (``checkpoint=…``); nothing is downloaded. ``random_init=True``
-builds random weights (tests; with ``model_config`` a tiny architecture).
+``scale``. Weights: each option takes a local path or a Hugging Face Hub id (``org/name`` for a folder,
+``org/name/<file>`` for one file); left out, it loads the published weights named in the class's
+``hub_weights`` through the Hugging Face cache (``diffrl.hub``; ``HF_HUB_OFFLINE=1`` reads the cache only).
+``random_init=True`` builds random weights (tests; with ``model_config`` a tiny architecture).
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rewards.base import Reward, RewardError, register_reward
+from diffrl.hub import is_hub_ref
+from rewards.base import Reward, RewardError, Weights, register_reward
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -88,18 +91,8 @@ def clip_preprocess(
     return (x - mean_t) / std_t
 
 
-def _weights_path(reward: str, option: str, path: str | None, what: str) -> Path:
-    """The existing local file/folder ``path`` of option ``option``, or a clear error on how to provide it."""
-    if path is None:
-        raise RewardError(
-            f"reward {reward!r} needs {what}: nothing is downloaded at run time. Put the weights on this machine "
-            f"and set +reward.options.{reward}.{option}=/path/to/them (or pass {option}=... to the constructor); "
-            f"random_init=true builds random weights (tests only)"
-        )
-    p = Path(path).expanduser()
-    if not p.exists():
-        raise FileNotFoundError(f"reward {reward!r}: {option}={str(p)!r} does not exist; it should be {what}")
-    return p
+# the OpenAI CLIP ViT-L/14 weights as an open_clip state dict (clip_score's and the aesthetic predictor's backbone)
+OPENAI_VIT_L14 = "timm/vit_large_patch14_clip_224.openai/open_clip_pytorch_model.bin"
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -159,6 +152,7 @@ class _OpenClipReward(_ClipReward):
 
     default_model = "ViT-L-14-quickgelu"
     weights_hint = "the CLIP ViT-L/14 weights as an open_clip state-dict file (e.g. open_clip_pytorch_model.bin of timm/vit_large_patch14_clip_224.openai)"
+    hub_weights = {"checkpoint": Weights(OPENAI_VIT_L14, "file")}
 
     def __init__(self, checkpoint: str | None = None, model_name: str | None = None, random_init: bool = False,
                  model_config: dict | None = None, device: str = "cpu", dtype: str = "float32", batch_size: int = 32, seed: int = 0):
@@ -166,7 +160,7 @@ class _OpenClipReward(_ClipReward):
 
         self._setup(device, dtype, batch_size)
         self.model_name = model_name or self.default_model
-        path = None if random_init and checkpoint is None else _weights_path(self.name, "checkpoint", checkpoint, self.weights_hint)
+        path = None if random_init and checkpoint is None else self.weights_path("checkpoint", checkpoint, self.weights_hint)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             if model_config is not None:
@@ -228,6 +222,7 @@ class HPSv2(_OpenClipReward):
     scale = (-1.0, 1.0)
     default_model = "ViT-H-14"
     weights_hint = "the HPS v2 checkpoint HPS_v2_compressed.pt or HPS_v2.1_compressed.pt (from the xswu/HPSv2 release)"
+    hub_weights = {"checkpoint": Weights("xswu/HPSv2/HPS_v2.1_compressed.pt", "file")}
 
     def __call__(self, images: torch.Tensor, prompts: list[str], metadata: Any = None) -> dict[str, torch.Tensor]:
         self._check(images, prompts)
@@ -269,6 +264,8 @@ class Aesthetic(_OpenClipReward):
     """
 
     unit = "LAION aesthetic score (unbounded; ~1–10 for the real head)"
+    hub_weights = {"checkpoint": Weights(OPENAI_VIT_L14, "file"),
+                   "head_checkpoint": Weights("camenduru/improved-aesthetic-predictor/sac+logos+ava1-l14-linearMSE.pth", "file")}
 
     def __init__(self, *args, head_checkpoint: str | None = None, **kwargs):
         super().__init__(*args, **kwargs)
@@ -278,8 +275,7 @@ class Aesthetic(_OpenClipReward):
             head = AestheticHead(dim)
         random_init = bool(kwargs.get("random_init", False))
         if head_checkpoint is not None or not random_init:
-            path = _weights_path(self.name, "head_checkpoint", head_checkpoint,
-                                 "the LAION aesthetic MLP weights (sac+logos+ava1-l14-linearMSE.pth)")
+            path = self.weights_path("head_checkpoint", head_checkpoint, "the LAION aesthetic MLP weights (sac+logos+ava1-l14-linearMSE.pth)")
             state = _load_state_dict(path)
             try:
                 head.load_state_dict(state)
@@ -345,6 +341,8 @@ class PickScore(_ClipReward):
     """
 
     unit = "exp(logit_scale) · cosine similarity, in [−exp(logit_scale), exp(logit_scale)] (±100 for PickScore_v1)"
+    hub_weights = {"checkpoint": Weights("yuvalkirstain/PickScore_v1", "model"),
+                   "processor": Weights("laion/CLIP-ViT-H-14-laion2B-s32B-b79K", "processor")}
 
     def __init__(self, checkpoint: str | None = None, processor: str | None = None, random_init: bool = False,
                  model_config: dict | None = None, device: str = "cpu", dtype: str = "float32", batch_size: int = 32, seed: int = 0):
@@ -365,8 +363,10 @@ class PickScore(_ClipReward):
             self.tokenizer = openai_clip_tokenizer(model.config.text_config.max_position_embeddings)
             image_processor = CLIPImageProcessor(crop_size={"height": model.config.vision_config.image_size, "width": model.config.vision_config.image_size})
         else:
-            folder = _weights_path(self.name, "checkpoint", checkpoint, "a local folder with the PickScore_v1 CLIPModel (config.json + weights)")
-            proc = _weights_path(self.name, "processor", processor or checkpoint, "a local folder with the CLIP-ViT-H-14-laion2B processor")
+            folder = self.weights_path("checkpoint", checkpoint, "a folder with the PickScore_v1 CLIPModel (config.json + weights)")
+            if processor is None and checkpoint is not None and not is_hub_ref(checkpoint):
+                processor = checkpoint  # a local folder holding model and processor together
+            proc = self.weights_path("processor", processor, "a folder with the CLIP-ViT-H-14-laion2B processor (tokenizer + preprocessor_config.json)")
             model = CLIPModel.from_pretrained(str(folder), local_files_only=True)
             try:
                 self.tokenizer = AutoTokenizer.from_pretrained(str(proc), local_files_only=True)
@@ -384,6 +384,14 @@ class PickScore(_ClipReward):
         self.logit_scale = float(self.model.logit_scale.exp().item())
         self.scale = (-self.logit_scale, self.logit_scale)
         self.max_length = min(int(self.tokenizer.model_max_length), int(model.config.text_config.max_position_embeddings))
+
+    @classmethod
+    def weight_refs(cls, options: dict) -> dict[str, Weights]:
+        refs = super().weight_refs(options)
+        checkpoint = options.get("checkpoint")
+        if options.get("processor") is None and checkpoint is not None and not is_hub_ref(checkpoint):
+            refs.pop("processor", None)  # the local checkpoint folder holds the processor (see __init__)
+        return refs
 
     def preprocess(self, images: torch.Tensor) -> torch.Tensor:
         return clip_preprocess(images, self.image_size, self.crop_size, self.mean, self.std, crop_offset="floor")

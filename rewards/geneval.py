@@ -23,8 +23,8 @@ CLIP. This reward keeps GenEval's metadata and its rules and detects with transf
 Outputs: ``geneval`` = the fraction of clauses that hold (partial credit, a denser training signal: diffrl's
 choice) and ``geneval_strict`` ∈ {0, 1}, GenEval's own per-image correctness (all clauses hold).
 
-Weights come from a local folder only (``checkpoint=`` an OWLv2 ``Owlv2ForObjectDetection`` with its
-processor, e.g. google/owlv2-base-patch16-ensemble); ``random_init=True`` builds random weights (tests; with
+Weights: ``checkpoint=`` an OWLv2 ``Owlv2ForObjectDetection`` folder with its processor, a local path or a Hub id
+(default ``google/owlv2-base-patch16-ensemble`` through the Hugging Face cache); ``random_init=True`` builds random weights (tests; with
 ``model_config`` a tiny architecture). The thresholds are GenEval's Mask2Former values by default; OWLv2's
 scores are calibrated differently, so set them for the checkpoint used (its model card suggests ≈ 0.1–0.3).
 """
@@ -37,8 +37,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from rewards.base import Reward, RewardError, register_reward
-from rewards.clip_models import _dtype, _weights_path, openai_clip_tokenizer
+from rewards.base import Reward, RewardError, Weights, register_reward
+from rewards.clip_models import _dtype, openai_clip_tokenizer
 
 COLORS = ["red", "orange", "yellow", "green", "blue", "purple", "pink", "brown", "black", "white"]
 RELATIONS = ["left of", "right of", "above", "below"]
@@ -190,6 +190,8 @@ class GenEvalOwl(Reward):
         device, dtype, seed: where and in which dtype the detector runs; the random init's seed.
     """
 
+    hub_weights = {"checkpoint": Weights("google/owlv2-base-patch16-ensemble", "model")}
+
     unit = "fraction of GenEval clauses that hold (geneval_strict: all of them, GenEval's correctness)"
     scale = (0.0, 1.0)
     input = "uint8"
@@ -217,7 +219,7 @@ class GenEvalOwl(Reward):
             size = model.config.vision_config.image_size
             self.image_processor = Owlv2ImageProcessor(size={"height": size, "width": size})
         else:
-            folder = _weights_path(self.name, "checkpoint", checkpoint, "a local folder with an OWLv2 Owlv2ForObjectDetection and its processor")
+            folder = self.weights_path("checkpoint", checkpoint, "a folder with an OWLv2 Owlv2ForObjectDetection and its processor")
             model = Owlv2ForObjectDetection.from_pretrained(str(folder), local_files_only=True)
             self.tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
             self.image_processor = Owlv2ImageProcessor.from_pretrained(str(folder), local_files_only=True)

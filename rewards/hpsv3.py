@@ -12,9 +12,10 @@ HPSv3 is Qwen2-VL-7B-Instruct with a reward head read at a special token:
   position: ``(μ, σ)`` of the uncertainty-aware ranking loss. The score is ``μ`` (reported as ``hpsv3``;
   ``hpsv3_sigma`` beside it).
 
-Weights from local paths only: ``checkpoint=`` the released ``HPSv3.safetensors`` (the whole reward model,
-transformers-4.45 key names, translated by :func:`convert_keys`), ``base=`` a local Qwen2-VL-7B-Instruct folder for
-the config, tokenizer, image processor and chat template. ``random_init=True`` with ``model_config`` builds a
+Weights (local paths or Hub ids; left out, the published ones through the Hugging Face cache): ``checkpoint=`` the
+released ``HPSv3.safetensors`` (the whole reward model, transformers-4.45 key names, translated by
+:func:`convert_keys`; default ``MizzenAI/HPSv3/HPSv3.safetensors``), ``base=`` a Qwen2-VL-7B-Instruct folder for the
+config, tokenizer, image processor and chat template (default ``Qwen/Qwen2-VL-7B-Instruct``, without its weights). ``random_init=True`` with ``model_config`` builds a
 random (e.g. tiny) model for tests; ``base`` then names a folder holding a processor.
 
 Checked against the ``hpsv3`` package (transformers 4.45.2) on the same tiny random weights, processor and images:
@@ -30,8 +31,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from rewards.base import Reward, RewardError, register_reward
-from rewards.clip_models import _dtype, _weights_path
+from rewards.base import Reward, RewardError, Weights, register_reward
+from rewards.clip_models import _dtype
 
 REWARD_TOKEN = "<|Reward|>"
 PIXELS = 256 * 28 * 28
@@ -116,6 +117,8 @@ class HPSv3(Reward):
         device, dtype, batch_size, seed: where and how the model runs (the head runs in float32); the random init's seed.
     """
 
+    hub_weights = {"checkpoint": Weights("MizzenAI/HPSv3/HPSv3.safetensors", "file"), "base": Weights("Qwen/Qwen2-VL-7B-Instruct", "processor")}
+
     unit = "HPSv3 μ (the preference score; about 0–15 on real images)"
     input = "uint8"
     batch_size = 4
@@ -129,8 +132,8 @@ class HPSv3(Reward):
             raise ValueError(f"reward 'hpsv3': batch_size must be ≥ 1 and pixels ≥ {4 * 28 * 28}, got {batch_size}, {pixels}")
         self.device, self.dtype, self.batch_size, self.pixels = device, _dtype(dtype), int(batch_size), int(pixels)
         load = checkpoint is not None or not random_init
-        path = _weights_path(self.name, "checkpoint", checkpoint, "the HPSv3.safetensors file (MizzenAI/HPSv3)") if load else None
-        folder = _weights_path(self.name, "base", base, "a local Qwen2-VL-7B-Instruct folder (config, tokenizer, processor)")
+        path = self.weights_path("checkpoint", checkpoint, "the HPSv3.safetensors file (MizzenAI/HPSv3)") if load else None
+        folder = self.weights_path("base", base, "a Qwen2-VL-7B-Instruct folder (config, tokenizer, processor)")
         self.processor = AutoProcessor.from_pretrained(str(folder), local_files_only=True, padding_side="right")
         tokenizer = self.processor.tokenizer
         if REWARD_TOKEN not in tokenizer.get_vocab():

@@ -17,8 +17,9 @@ is rebuilt here from transformers' classes and loads the published ``ImageReward
 ``mlp.layers.*``; BLIP's own ViT and BERT naming) onto these modules; the momentum encoders, projections and
 decoder it also holds are not used by the score and are skipped. ``tests/test_image_reward.py`` checks the
 whole forward against a plain-torch transcription of BLIP's ViT and BERT run on the original key names.
-Weights from local paths only: ``checkpoint=`` the ``ImageReward.pt`` file, ``tokenizer=`` a local
-bert-base-uncased folder.
+Weights (local paths or Hub ids; left out, the published ones through the Hugging Face cache): ``checkpoint=`` the
+``ImageReward.pt`` file (default ``THUDM/ImageReward/ImageReward.pt``), ``tokenizer=`` a bert-base-uncased folder
+(default ``google-bert/bert-base-uncased``, tokenizer files only).
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from rewards.base import Reward, RewardError, register_reward
-from rewards.clip_models import _dtype, _weights_path, clip_preprocess
+from rewards.base import Reward, RewardError, Weights, register_reward
+from rewards.clip_models import _dtype, clip_preprocess
 
 MEAN, STD = 0.16717362830052426, 1.0333394966054072
 MAX_LENGTH = 35
@@ -105,6 +106,8 @@ class ImageReward(Reward):
         device, dtype, batch_size, seed: where and how the model runs; the random init's seed.
     """
 
+    hub_weights = {"checkpoint": Weights("THUDM/ImageReward/ImageReward.pt", "file"), "tokenizer": Weights("google-bert/bert-base-uncased", "processor")}
+
     unit = "ImageReward (standardised: (r − 0.167) / 1.033)"
     input = "uint8"
     batch_size = 16
@@ -118,8 +121,8 @@ class ImageReward(Reward):
             raise ValueError(f"reward 'imagereward': batch_size must be ≥ 1, got {batch_size}")
         self.device, self.dtype, self.batch_size = device, _dtype(dtype), int(batch_size)
         load = checkpoint is not None or not random_init
-        path = _weights_path(self.name, "checkpoint", checkpoint, "the ImageReward.pt file (THUDM/ImageReward)") if load else None
-        folder = _weights_path(self.name, "tokenizer", tokenizer, "a local folder with the bert-base-uncased tokenizer (vocab.txt)")
+        path = self.weights_path("checkpoint", checkpoint, "the ImageReward.pt file (THUDM/ImageReward)") if load else None
+        folder = self.weights_path("tokenizer", tokenizer, "a folder with the bert-base-uncased tokenizer (vocab.txt)")
         vcfg = {**VISION, **(vision_config or {})}
         tcfg = {**TEXT, "encoder_hidden_size": vcfg["hidden_size"], **(text_config or {})}  # cross-attention reads the image tokens
         with torch.random.fork_rng(devices=[]):

@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 import torch
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+# Tests never touch the network, and a developer's own Hugging Face cache does not leak into them: Hub ids resolve in an
+# empty cache of this session, offline (tests that need a cached model build one in their own HF_HOME, tests/test_hub.py).
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_HOME"] = tempfile.mkdtemp(prefix="diffrl-tests-hf-")
+os.environ.pop("HF_HUB_CACHE", None)
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
+from diffrl.hub import HubError
 import torch
 import torch.nn.functional as F
 from PIL import Image, ImageDraw, ImageFont
@@ -221,8 +223,12 @@ def test_pickscore_equals_hand_computation_and_reloads(zoo_images, tmp_path):
 
 @pytest.mark.parametrize("name", ["clip_score", "aesthetic", "hpsv2", "pickscore"])
 def test_missing_weights_say_where_to_put_them(name, tmp_path):
-    with pytest.raises(RewardError, match=rf"nothing is downloaded.*reward\.options\.{name}\.checkpoint=/path"):
+    # no option: the published weights, here offline with an empty cache -> one line naming the repository and the fetch command
+    repo = {"clip_score": "timm/vit_large_patch14_clip_224.openai", "aesthetic": "timm/vit_large_patch14_clip_224.openai",
+            "hpsv2": "xswu/HPSv2", "pickscore": "yuvalkirstain/PickScore_v1"}[name]
+    with pytest.raises(HubError, match=rf"reward\.options\.{name}\.checkpoint={repo}.*not in the Hugging Face cache.*hf download {repo}") as info:
         build_reward(name)
+    assert "\n" not in str(info.value)
     with pytest.raises(FileNotFoundError, match="no_such_file"):
         build_reward(name, checkpoint=str(tmp_path / "no_such_file"))
 

@@ -124,6 +124,8 @@ class FluxAdapter(LatentFlowFamily):
             shape with random weights (:mod:`pipelines.shapes`).
     """
 
+    hub_components = FLUX_COMPONENTS
+
     family = "FLUX"
     pipeline_class = "FluxPipeline"
     text_encoder_names = ("text_encoder", "text_encoder_2")

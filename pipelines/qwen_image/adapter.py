@@ -223,6 +223,8 @@ class QwenImageAdapter(LatentFlowFamily):
             shape (20.4 B) with random weights (:mod:`pipelines.shapes`).
     """
 
+    hub_components = QWEN_IMAGE_COMPONENTS
+
     family = "Qwen-Image"
     pipeline_class = "QwenImagePipeline"
     text_encoder_names = ("text_encoder",)

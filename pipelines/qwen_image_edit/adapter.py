@@ -116,6 +116,8 @@ class QwenImageEditAdapter(QwenImageAdapter):
             published shape (Qwen-Image's transformer) with random weights (:mod:`pipelines.shapes`).
     """
 
+    hub_components = QWEN_IMAGE_EDIT_COMPONENTS
+
     family = "Qwen-Image-Edit"
     pipeline_class = "QwenImageEditPipeline"
     editing = True

@@ -76,7 +76,7 @@ def load_components(path: str | Path) -> dict:
 
     folder = Path(path)
     if not folder.is_dir():
-        raise FileNotFoundError(f"SD1.5 model folder {folder} does not exist (model.path); give a local diffusers folder")
+        raise FileNotFoundError(f"SD1.5 model folder {folder} does not exist (model.path); give a local diffusers folder or a Hub id (org/name)")
     for name in COMPONENTS:
         if not (folder / name).is_dir():
             raise FileNotFoundError(f"SD1.5 model folder {folder} lacks the component {name}/ (needs {', '.join(COMPONENTS)})")
@@ -100,6 +100,8 @@ class SD15Adapter(DDPMSchedule, ModelAdapter):
         cfg_mode: how a guided ``predict`` runs its two branches (``split`` | ``batched``, see
             :meth:`ModelAdapter.predict`).
     """
+
+    hub_components = COMPONENTS
 
     prediction_type = "epsilon"
     lora_target_modules = ["to_q", "to_k", "to_v", "to_out.0"]

@@ -130,6 +130,8 @@ class SD3Adapter(LatentFlowFamily):
             (``sd35_medium``, ``sd35_large``; ``full`` = ``sd35_large``; :mod:`pipelines.shapes`).
     """
 
+    hub_components = SD3_COMPONENTS
+
     family = "SD3"
     pipeline_class = "StableDiffusion3Pipeline"
     text_encoder_names = ("text_encoder", "text_encoder_2", "text_encoder_3")

@@ -147,6 +147,8 @@ class WanAdapter(LatentFlowFamily):
             (``wan21_14b``, ``wan21_1_3b``; ``full`` = ``wan21_14b``; :mod:`pipelines.shapes`).
     """
 
+    hub_components = WAN_COMPONENTS
+
     family = "Wan"
     pipeline_class = "WanPipeline"
     text_encoder_names = ("text_encoder",)
