@@ -42,6 +42,12 @@ CASES: dict[str, list[str]] = {
     "digits_dpo+offline": ["experiment=digits_dpo", "algorithm.preference_pairs={pairs}", "trainer.prompts_per_step=4"],
     "digits_nft": ["experiment=digits_nft"],
     "digits_nft+kl+epochs": ["experiment=digits_nft", "algorithm.kl_beta=0.01", "algorithm.epochs=2", "algorithm.mini_batch_size=32"],
+    "digits_awm": ["experiment=digits_awm"],
+    "digits_compose_flow_grpo": ["experiment=digits_compose_flow_grpo"],
+    "digits_compose_flow_grpo_fast": ["experiment=digits_compose_flow_grpo_fast"],
+    "digits_compose_nft": ["experiment=digits_compose_nft"],
+    "digits_edit_flow_grpo": ["experiment=digits_edit_flow_grpo"],
+    "digits_edit_nft": ["experiment=digits_edit_nft"],
 }
 
 VOLATILE = ("seconds", "time/", "perf/", "wall", "output_dir", "checkpoint")

@@ -296,7 +296,7 @@ class RewardConfig:
 class TrainerConfig:
     CHECKS: ClassVar[dict[str, Check]] = {
         "steps": at_least(1), "prompts_per_step": at_least(1), "group_size": at_least(1), "seed": at_least(0),
-        "eval_every": at_least(0, note="0: only before and after training"), "eval_seeds_per_prompt": at_least(1), "eval_seed": at_least(0),
+        "eval_every": at_least(0, note="0: only before and after training"), "eval_seeds_per_prompt": at_least(1), "eval_seed": at_least(0), "eval_num_prompts": at_least(1),
         "checkpoint_every": at_least(0, note="0: only at the end"), "max_grid_images": at_least(1), "threads": at_least(1),
         "peak_flops": positive(), "backend": one_of("local", "ray"), "num_workers": at_least(1),
         "num_gpus_per_worker": at_least(0, integer=False), "num_cpus_per_worker": at_least(0, integer=False),
@@ -316,7 +316,13 @@ class TrainerConfig:
     seed: int = 0
     """seed of prompts, noise and initialisation"""
     prompts: Optional[str] = None
-    """prompt file (one per line); null: the model family's built-in prompt set"""
+    """training prompts: a built-in prompt set (geneval | ocr | general: its train split, with each prompt's metadata for
+    the rewards; docs/prompts.md), a prompt file (one per line) or editing records; null: the model family's built-in prompts"""
+    eval_prompts: Optional[str] = None
+    """evaluation prompts: a built-in set (its test split) or a file; null: the test split of trainer.prompts when it
+    names a built-in set, else trainer.prompts (or the family's built-in prompts)"""
+    eval_num_prompts: Optional[int] = None
+    """evaluate the first N evaluation prompts (null: all of them; GenEval's test split has 553)"""
     eval_every: int = 50
     """evaluate every N steps (and before the first and after the last step); 0: only before and after"""
     eval_seeds_per_prompt: int = 4

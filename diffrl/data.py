@@ -1,4 +1,4 @@
-"""Data a run reads: prompt files, editing records, each step's prompts, offline preference pairs.
+"""Data a run reads: built-in prompt sets and prompt files, editing records, each step's prompts, offline preference pairs.
 
 Nothing here touches a model: offline pairs are read as images and prompts, and the workers encode them
 (``ActorRolloutRefWorker.encode_pairs``).
@@ -14,6 +14,7 @@ import torch
 from PIL import Image
 from tensordict import NonTensorStack, TensorDict
 
+from diffrl.prompt_sets import is_prompt_set, load_prompt_set
 from diffrl.sampling.seeding import Stream, generator
 from pipelines.base import EditPrompt, family_class, resize_sources, split_prompts
 
@@ -38,6 +39,46 @@ def read_prompts(path: str | Path) -> list[str] | list[EditPrompt]:
     if path.is_dir() or path.suffix == ".jsonl":
         return read_edit_records(path)
     return read_prompt_file(path)
+
+
+def load_prompts(spec: str, split: str) -> tuple[list, dict[str, dict]]:
+    """``trainer.prompts`` / ``trainer.eval_prompts``: a built-in prompt set's ``split`` (``train`` | ``test``,
+    :mod:`diffrl.prompt_sets`) with each prompt's metadata (GenEval rows, OCR target texts), or a prompt file or
+    editing records (:func:`read_prompts`, no metadata; ``split`` does not apply).
+
+    Returns:
+        ``(prompts, {prompt: metadata row})``; the table is empty for a set without metadata and for files.
+    """
+    if is_prompt_set(str(spec)):
+        prompts, rows = load_prompt_set(str(spec), split)
+        return prompts, (dict(zip(prompts, rows)) if rows is not None else {})
+    prompts = read_prompts(spec)
+    return prompts, (read_edit_metadata(spec) if prompts and isinstance(prompts[0], EditPrompt) else {})
+
+
+def run_prompts(trainer) -> tuple[list | None, list | None, dict[str, dict]]:
+    """A run's training prompts, evaluation prompts and the metadata of both (``trainer`` = the run's
+    ``TrainerConfig``): ``prompts`` (a set's train split or a file); ``eval_prompts`` (a set's test split or a
+    file), else the test split of ``prompts`` when it names a set, else ``prompts``; the first
+    ``eval_num_prompts`` of them when set. ``None`` where the family's built-in prompts apply."""
+    prompts, table = load_prompts(trainer.prompts, "train") if trainer.prompts else (None, {})
+    eval_spec = trainer.eval_prompts or (trainer.prompts if trainer.prompts and is_prompt_set(str(trainer.prompts)) else None)
+    if eval_spec:
+        eval_prompts, eval_table = load_prompts(eval_spec, "test")
+        table = {**table, **eval_table}
+    else:
+        eval_prompts = prompts
+    if eval_prompts is not None and trainer.eval_num_prompts:
+        eval_prompts = eval_prompts[: int(trainer.eval_num_prompts)]
+    return prompts, eval_prompts, table
+
+
+def sample_metadata(prompts: list[str], table: dict[str, dict], **shared) -> list[dict] | dict:
+    """The ``metadata`` argument of a reward call: one row per sample (its prompt's metadata plus ``shared``) when
+    every prompt has metadata, else ``shared`` alone."""
+    if table and all(p in table for p in prompts):
+        return [{**table[p], **shared} for p in prompts]
+    return dict(shared)
 
 
 def read_edit_records(path: str | Path) -> list[EditPrompt]:
@@ -71,6 +112,28 @@ def read_edit_records(path: str | Path) -> list[EditPrompt]:
     if not records:
         raise ValueError(f"{file} holds no editing records")
     return records
+
+
+def read_edit_metadata(path: str | Path) -> dict[str, dict]:
+    """``{instruction: metadata}`` of the editing records (:func:`read_edit_records`' file) whose rows carry a
+    ``metadata`` object, e.g. the GenEval row (``tag``, ``include``, ``exclude``) the edited image should satisfy;
+    the rewards receive it per sample. Two rows with one instruction must not carry different metadata."""
+    path = Path(path)
+    file = path / "metadata.jsonl" if path.is_dir() else path
+    table: dict[str, dict] = {}
+    for i, line in enumerate(file.read_text().splitlines()):
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        meta, instruction = row.get("metadata"), str(row.get("instruction", row.get("prompt")))
+        if meta is None:
+            continue
+        if not isinstance(meta, dict):
+            raise ValueError(f"{file}: line {i + 1} has a metadata field that is not a JSON object")
+        if table.get(instruction, meta) != meta:
+            raise ValueError(f"{file}: line {i + 1} repeats the instruction {instruction!r} with other metadata; rewards look metadata up by instruction")
+        table[instruction] = meta
+    return table
 
 
 def check_edit_prompts(prompts: list, family: str, sampler) -> list:

@@ -1,10 +1,12 @@
 """Recipes: compose ``configs/`` with command-line overrides into the root :class:`Config`.
 
 ``configs/config.yaml`` composes the groups ``model/ algorithm/ reward/ sampler/ experiment/`` on top of
-the schema registered here (hydra ConfigStore); an unknown key anywhere is an error naming the key. The
-``algorithm`` schema is the union of the registered algorithms' configs (``diffrl.algorithms``), so a new
-algorithm's keys are valid without an edit here. :func:`to_config` turns the result into the components'
-dataclasses (``diffrl.config``).
+the schema registered here (hydra ConfigStore); an unknown key anywhere is an error naming the key. Each
+``configs/algorithm/<name>.yaml`` starts from its algorithm class's own ``Config`` (stored as
+``algorithm/schema_<registry name>`` for every registered class, ``diffrl.algorithms``) and states only what
+differs from it, so a new algorithm's keys need no edit here, and another algorithm's key in a recipe is an error
+that names the group it belongs to. :func:`to_config` turns the result into the components' dataclasses
+(``diffrl.config`` and the algorithm's ``Config``).
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from diffrl.algorithms import check_config, config_schema
+from diffrl.algorithms import ALGORITHMS, algorithm_class, check_config
+from diffrl.algorithms.policy_gradient import PolicyGradientConfig
 from diffrl.config import Check, ModelConfig, RewardConfig, SamplerConfig, TrainerConfig
 from diffrl.hub import HubError, is_hub_ref, offline, resolve_weights
 from diffrl.sampling.schedules import WINDOW_KINDS
@@ -30,10 +33,6 @@ from rewards.base import RewardError, resolve_reward
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 
 
-AlgorithmSchema = config_schema()
-"""The ``algorithm`` group's schema: the fields of every registered algorithm's ``Config``."""
-
-
 @dataclass
 class Config:
     """The root config of a run: one field per component."""
@@ -41,7 +40,8 @@ class Config:
     experiment: str = "custom"
     """recipe name (set by experiment/*.yaml)"""
     model: ModelConfig = field(default_factory=ModelConfig)
-    algorithm: AlgorithmSchema = field(default_factory=AlgorithmSchema)
+    algorithm: Any = field(default_factory=PolicyGradientConfig)
+    """the algorithm's own ``Config`` (a subclass of ``diffrl.config.AlgorithmConfig``), chosen by the algorithm group"""
     reward: RewardConfig = field(default_factory=RewardConfig)
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -55,9 +55,12 @@ def _register() -> None:
     from hydra.core.config_store import ConfigStore
 
     cs = ConfigStore.instance()
-    cs.store(name="diffrl_schema", node=Config)
+    root = OmegaConf.structured(Config)
+    root.algorithm = "???"  # filled, typed, by the algorithm group's schema_<name>
+    cs.store(name="diffrl_schema", node=root)
     cs.store(group="model", name="diffrl_schema", node=ModelConfig)
-    cs.store(group="algorithm", name="diffrl_schema", node=AlgorithmSchema)
+    for name, cls in ALGORITHMS.items():
+        cs.store(group="algorithm", name=f"schema_{name}", node=cls.Config)
     cs.store(group="reward", name="diffrl_schema", node=RewardConfig)
     cs.store(group="sampler", name="diffrl_schema", node=SamplerConfig)
 
@@ -66,12 +69,46 @@ def _asset_path(name: str) -> str:
     return str(CONFIG_DIR.parent / "assets" / name)
 
 
+def _per_optimizer_step(steps: int, *, _root_) -> int:
+    """``${optimizer_steps:k}``: the mini-batch that splits one RL step's trajectories (``trainer.prompts_per_step ×
+    trainer.group_size``) into ``k`` optimizer steps, so a recipe states the paper's optimizer steps per RL step and keeps
+    them when its sizes are changed (``+shrink=tiny``, or more prompts per step)."""
+    batch = int(_root_.trainer.prompts_per_step) * int(_root_.trainer.group_size)
+    if int(steps) < 1 or batch % int(steps):
+        raise ValueError(f"algorithm.mini_batch_size=${{optimizer_steps:{steps}}}: {batch} trajectories per step "
+                         f"(trainer.prompts_per_step × trainer.group_size) do not split into {steps} equal optimizer steps")
+    return batch // int(steps)
+
+
 if not OmegaConf.has_resolver("asset"):
     OmegaConf.register_new_resolver("asset", _asset_path)
+if not OmegaConf.has_resolver("optimizer_steps"):
+    OmegaConf.register_new_resolver("optimizer_steps", _per_optimizer_step)
 
 
-def _valid_keys(dotted_parent: str) -> list[str]:
-    node: Any = OmegaConf.structured(Config)
+def schema(trainer: str = "policy_gradient") -> DictConfig:
+    """The root schema of a run whose algorithm class is ``trainer`` (its ``Config`` under ``algorithm``)."""
+    root = OmegaConf.structured(Config)
+    root.algorithm = OmegaConf.structured(algorithm_class(trainer).Config)
+    OmegaConf.set_struct(root, True)
+    OmegaConf.set_struct(root.reward.options, False)  # per-reward option dicts: +reward.options.<name>.<key>=
+    OmegaConf.set_struct(root.model.options, False)  # adapter keyword arguments: +model.options.<key>=
+    return root
+
+
+def _groups_with(key: str) -> list[str]:
+    """The algorithm groups (configs/algorithm/*.yaml) whose class declares ``key``."""
+    owners = {name for name, cls in ALGORITHMS.items() if key in {f.name for f in dataclasses.fields(cls.Config)}}
+    groups = []
+    for path in sorted((CONFIG_DIR / "algorithm").glob("*.yaml")):
+        match = re.search(r"^\s*-\s*schema_(\w+)", path.read_text(), re.M)
+        if match and match.group(1) in owners:
+            groups.append(path.stem)
+    return groups
+
+
+def _valid_keys(dotted_parent: str, trainer: str = "policy_gradient") -> list[str]:
+    node: Any = schema(trainer)
     for part in [p for p in dotted_parent.split(".") if p]:
         node = node.get(part) if isinstance(node, DictConfig) else None
     return sorted(node.keys()) if isinstance(node, DictConfig) else []
@@ -85,10 +122,18 @@ def _explain(exc: Exception) -> str:
         key = match.group(1)
         full = getattr(exc, "full_key", None) or key
         parent = full.rsplit(".", 1)[0] if "." in full else ""
-        valid = _valid_keys(parent)
         where = f" under '{parent}'" if parent else ""
+        if parent == "algorithm":
+            owners = _groups_with(full.rsplit(".", 1)[1])
+            if owners:
+                return (f"config key '{full}' belongs to another algorithm (algorithm={' | '.join(owners)}), not to the one this recipe selects; "
+                        f"select its group (algorithm=<name>, or 'override /algorithm: <name>' in a recipe) or drop the key")
+            return f"unknown config key '{full}'{where}; see the algorithm's Config in diffrl/algorithms/ for its keys. Check the spelling."
+        valid = _valid_keys(parent)
         return f"unknown config key '{full}'{where}; valid keys{where}: {valid}. Check the spelling (see diffrl/config.py and the algorithm's module in diffrl/algorithms/)."
     cause = exc.__cause__ or exc.__context__
+    if "raised while resolving interpolation" in text and cause is not None:
+        return " ".join(str(cause).split())
     full = f"{text}\n{cause or ''}"
     override = re.search(r"Error merging override ([^=\s]+)=(\S*)", full)
     if override:
@@ -117,11 +162,12 @@ def compose(overrides: list[str] | None = None, config_name: str = "config") -> 
     try:
         with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
             cfg = hydra_compose(config_name=config_name, overrides=list(overrides or []))
-        schema = OmegaConf.structured(Config)
-        OmegaConf.set_struct(schema, True)
-        OmegaConf.set_struct(schema.reward.options, False)  # per-reward option dicts: +reward.options.<name>.<key>=
-        OmegaConf.set_struct(schema.model.options, False)  # adapter keyword arguments: +model.options.<key>=
-        cfg_typed = OmegaConf.merge(schema, OmegaConf.to_container(cfg, resolve=False))
+        trainer = OmegaConf.get_type(cfg.algorithm)
+        names = [name for name, cls in ALGORITHMS.items() if cls.Config is trainer]
+        if names and cfg.algorithm.trainer != names[0]:
+            raise ConfigError(f"algorithm.trainer={cfg.algorithm.trainer} does not match the algorithm group, whose class is {names[0]}; "
+                              f"select the algorithm by its group (algorithm=<name>: {', '.join(sorted(p.stem for p in (CONFIG_DIR / 'algorithm').glob('*.yaml')))})")
+        cfg_typed = OmegaConf.merge(schema(names[0] if names else "policy_gradient"), OmegaConf.to_container(cfg, resolve=False))
         OmegaConf.resolve(cfg_typed)
     except (HydraException, OmegaConfBaseException) as exc:
         raise ConfigError(_explain(exc)) from None
@@ -134,10 +180,11 @@ def to_config(cfg: DictConfig | Config) -> Config:
     if isinstance(cfg, Config):
         return cfg
     if not isinstance(cfg, DictConfig) or OmegaConf.get_type(cfg) is not Config:  # e.g. a run's config.yaml: add the schema
-        schema = OmegaConf.structured(Config)
-        OmegaConf.set_struct(schema.reward.options, False)
-        OmegaConf.set_struct(schema.model.options, False)
-        cfg = OmegaConf.merge(schema, cfg)
+        trainer = OmegaConf.select(OmegaConf.create(cfg) if not isinstance(cfg, DictConfig) else cfg, "algorithm.trainer") or "policy_gradient"
+        try:
+            cfg = OmegaConf.merge(schema(str(trainer)), cfg)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
     return OmegaConf.to_object(cfg)
 
 

@@ -34,7 +34,7 @@ from tensordict import NonTensorStack, TensorDict
 
 from diffrl import checkpoint
 from diffrl.algorithms import Algorithm, RunContext, build_algorithm
-from diffrl.data import check_edit_prompts, read_prompts, step_prompts
+from diffrl.data import check_edit_prompts, run_prompts, sample_metadata, step_prompts
 from diffrl.distributed import WorkerGroup, WorkerLostError, build_worker_group
 from diffrl.distributed.rollout import RolloutReplicas
 from diffrl.distributed.workers import ActorRolloutRefWorker, WorkerConfig
@@ -207,9 +207,10 @@ class Trainer:
             self.restart_from_scratch = self.resume_path is None
         torch.manual_seed(t.seed)
         self.window = build_window(cfg)
-        self.prompts = read_prompts(t.prompts) if t.prompts else None
+        self.prompts, self.eval_prompts, self.prompt_metadata = run_prompts(t)
         if self.prompts is not None:
             self.prompts = check_edit_prompts(self.prompts, cfg.model.family, cfg.sampler)
+            self.eval_prompts = check_edit_prompts(self.eval_prompts, cfg.model.family, cfg.sampler)
         options = cfg.reward.options  # rewards before the model: a reward that cannot be built (a server down) costs nothing
         self.rewards = {name: (build_reward(name, **options.get(name, {})), w) for name, w in run.reward_weights.items()}
         self.eval_metrics = {name: fn for name, (fn, _) in self.rewards.items()}
@@ -226,6 +227,7 @@ class Trainer:
             self.prompts = self.workers.default_prompts()
             if self.prompts:
                 self.prompts = check_edit_prompts(self.prompts, cfg.model.family, cfg.sampler)
+            self.eval_prompts = self.prompts[: t.eval_num_prompts or None] if self.prompts else self.prompts
         if not self.prompts:
             raise ValueError(f"model family {cfg.model.family!r} has no built-in prompts; set trainer.prompts=<file>")
 
@@ -337,7 +339,7 @@ class Trainer:
     def evaluate(self, step: int) -> dict:
         """Deterministic samples of the held-out (prompt, seed) pairs, scored by every eval metric."""
         t, s = self.cfg.trainer, self.cfg.sampler
-        records, seeds = eval_prompts_and_seeds(self.prompts, t.eval_seeds_per_prompt, t.eval_seed)
+        records, seeds = eval_prompts_and_seeds(self.eval_prompts, t.eval_seeds_per_prompt, t.eval_seed)
         prompts, sources = split_prompts(records)
         start = time.perf_counter()
         request = TensorDict({"seeds": torch.tensor(seeds), "group_id": torch.arange(len(seeds))}, batch_size=[len(seeds)])
@@ -350,7 +352,7 @@ class Trainer:
         if t.ema:
             request.set_non_tensor("policy", "ema")
         images = self.workers.generate_sequences(request)["images"]
-        scores = per_sample_scores(images, prompts, self.eval_metrics, sources)
+        scores = per_sample_scores(images, prompts, self.eval_metrics, sources, sample_metadata(prompts, self.prompt_metadata, step=step))
         metrics = {f"eval/{name}": float(values.mean()) for name, values in scores.items()}
         metrics.update(group_means(scores, prompts, self.eval_metrics))  # per task type, for rewards with groups()
         metrics.update(distribution_metrics(images, prompts, self.feature_space))  # diversity, near-duplicates, Fréchet
@@ -578,7 +580,8 @@ class Trainer:
 
         def timed_score(traj: TensorDict) -> tuple[dict, float]:
             begin = time.perf_counter()
-            result = score(self.rewards, traj["images"], list(traj.get("prompts").tolist()), metadata, sources_of(traj))
+            texts = list(traj.get("prompts").tolist())
+            result = score(self.rewards, traj["images"], texts, sample_metadata(texts, self.prompt_metadata, **metadata), sources_of(traj))
             return result, time.perf_counter() - begin
 
         generate = self.replicas.generate_sequences if self.replicas is not None else self.workers.generate_sequences
@@ -633,7 +636,8 @@ class Trainer:
         times["time/rollout_wait"] = time.perf_counter() - start
         times["time/rollout"] = float(traj.get_non_tensor("metrics")["rollout_seconds"])
         start = time.perf_counter()
-        scores = score(self.rewards, traj["images"], list(traj.get("prompts").tolist()), {"step": step}, sources_of(traj))
+        texts = list(traj.get("prompts").tolist())
+        scores = score(self.rewards, traj["images"], texts, sample_metadata(texts, self.prompt_metadata, step=step), sources_of(traj))
         times["time/reward"] = time.perf_counter() - start
         return traj, scores
 

@@ -48,7 +48,8 @@ POSITION_THRESHOLD = 0.1
 IRREGULAR = {"people": "person", "mice": "mouse", "knives": "knife", "sheep": "sheep", "skis": "skis", "scissors": "scissors",
              "giraffes": "giraffe", "wine glasses": "wine glass", "benches": "bench", "sandwiches": "sandwich", "couches": "couch",
              "buses": "bus", "toothbrushes": "toothbrush", "boxes": "box", "children": "child", "men": "man", "women": "woman",
-             "teeth": "tooth", "feet": "foot", "geese": "goose", "leaves": "leaf", "wolves": "wolf", "shelves": "shelf"}
+             "teeth": "tooth", "feet": "foot", "geese": "goose", "leaves": "leaf", "wolves": "wolf", "shelves": "shelf",
+             "horses": "horse", "suitcases": "suitcase", "vases": "vase", "houses": "house", "nurses": "nurse", "purses": "purse"}
 
 
 def singular(noun: str) -> str:

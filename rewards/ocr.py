@@ -1,7 +1,8 @@
 """Text rendering reward (Flow-GRPO's OCR task): does the image show the text quoted in the prompt?
 
 The target is the text between double quotes in the prompt (``'a sign that says "HELLO"'`` → ``HELLO``;
-straight ``"…"`` or curly ``“…”`` quotes; several quoted parts are joined with a space). The image is
+straight ``"…"`` or curly ``“…”`` quotes; several quoted parts are joined with a space), or, when ``metadata``
+is a list of per-sample dicts with a ``"text"`` key (the ``ocr`` prompt set's rows), that text. The image is
 read by the PP-OCRv4 detection + recognition models (and the direction classifier) that ship inside the
 ``rapidocr-onnxruntime`` wheel: real models, offline, nothing is downloaded. The recognised lines (in
 reading order, each with recognition confidence ≥ ``min_confidence``) are joined into one string.
@@ -45,6 +46,16 @@ def quoted_text(prompt: str) -> str:
             "file (trainer.prompts) or use another reward for these prompts."
         )
     return " ".join(parts)
+
+
+def metadata_texts(metadata: Any, n: int) -> list[str] | None:
+    """The targets given as metadata: a list/tuple of ``n`` dicts, each with a non-empty string ``"text"``;
+    None otherwise (then the quoted text of each prompt is the target)."""
+    if not isinstance(metadata, (list, tuple)) or len(metadata) != n:
+        return None
+    if not all(isinstance(m, dict) and isinstance(m.get("text"), str) and m["text"].strip() for m in metadata):
+        return None
+    return [m["text"] for m in metadata]
 
 
 def normalise_text(text: str) -> str:
@@ -120,6 +131,8 @@ class OcrReward(Reward):
             raise ValueError(f"ocr reward: expected uint8 images [B, 3, H, W], got {images.dtype} {tuple(images.shape)}")
         if len(prompts) != images.shape[0]:
             raise ValueError(f"ocr reward: {len(prompts)} prompts for {images.shape[0]} images")
-        targets = [quoted_text(p) for p in prompts]  # fail before running the models
+        targets = metadata_texts(metadata, len(prompts))  # per-sample {"text": …} rows (diffrl.prompt_sets.ocr)
+        if targets is None:
+            targets = [quoted_text(p) for p in prompts]  # fail before running the models
         scores = [ocr_score(self.read(image), target) for image, target in zip(images, targets)]
         return {self.name: torch.tensor(scores, dtype=torch.float32)}

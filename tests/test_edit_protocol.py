@@ -109,7 +109,7 @@ def test_split_resize_and_family_checks():
 def test_offline_dpo_pairs_on_an_editing_family_fail_before_anything_is_written(tmp_path):
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text("")  # never read: the check comes first
-    cfg = compose(["experiment=digits_edit_nft", "algorithm.name=dpo", "algorithm.trainer=preference", f"algorithm.preference_pairs={pairs}",
+    cfg = compose(["experiment=digits_edit_flow_grpo", "algorithm=dpo", f"algorithm.preference_pairs={pairs}",
                    f"trainer.output_dir={tmp_path / 'run'}", "trainer.progress=false", "trainer.wandb=disabled"])
     with pytest.raises(ValueError, match=r"offline DPO pairs\) has no source images, and model family 'digits_edit' edits images"):
         Trainer(cfg)

@@ -37,6 +37,8 @@ from diffrl.sampling.schedules import WindowMasks
 class AWMConfig(AlgorithmConfig):
     CHECKS: ClassVar[dict[str, Check]] = {"awm_weighting": one_of(*AWM_WEIGHTINGS), "awm_ghuber_power": positive(), "awm_num_timesteps": at_least(1)}
 
+    name: str = "awm"
+    trainer: str = "awm"
     awm_weighting: str = "ghuber"
     """per-sample weighting of the flow-matching error: uniform | sigma | sigma2 | huber | ghuber (the paper's released configs)"""
     awm_ghuber_power: float = 0.25

@@ -4,8 +4,9 @@ An algorithm decides what one RL step does between the rollout request and the w
 samples and which steps are stochastic / trained (:meth:`Algorithm.rollout_plan`), what objective the
 workers train (:meth:`Algorithm.objective`), and how rewards become an update (:meth:`Algorithm.update`,
 through the typed worker group). Each algorithm owns a ``Config`` dataclass (extending
-``diffrl.config.AlgorithmConfig``); the ``algorithm`` config schema is the union of the registered ones,
-so an algorithm's keys need no edit anywhere else.
+``diffrl.config.AlgorithmConfig``, with ``name`` and ``trainer`` defaulting to its own): it is the schema of its yaml
+group ``configs/algorithm/<name>.yaml`` (``defaults: [schema_<registry name>]`` and only the values that differ), so
+an algorithm's keys need no edit anywhere else and another algorithm's keys are refused.
 
 The registry maps ``algorithm.trainer`` names to classes (``@register_algorithm("nft")``). Nothing outside
 the registry and the class itself tests an algorithm's name: the trainer asks the class.
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-import typing
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
@@ -168,6 +168,7 @@ class Algorithm(abc.ABC):
             for key, values in out.items():
                 collected.setdefault(key, []).extend(values)
         collected["rows_unused"] = [float(n - used)]
+        collected["optimizer_steps"] = [float(len(collected.get("lr", [])))]  # the engine reports one lr per optimizer step
         return collected
 
 
@@ -227,34 +228,6 @@ def algorithm_class(name: str) -> type[Algorithm]:
 def check_config(config) -> None:
     """Raise a clear error when the ``algorithm`` config names no registered algorithm class."""
     algorithm_class(config.trainer)
-
-
-def config_schema() -> type:
-    """The ``algorithm`` schema: one dataclass with the fields of every registered algorithm's ``Config``
-    and the union of their value checks (``CHECKS``).
-
-    A field that two algorithms declare must have the same type and default in both."""
-    merged: dict[str, tuple[dataclasses.Field, Any]] = {}
-    for cls in (AlgorithmConfig, *(c.Config for c in ALGORITHMS.values())):
-        hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            seen = merged.get(f.name)
-            if seen is not None and (seen[1] != hints[f.name] or _default(seen[0]) != _default(f)):
-                raise TypeError(f"algorithm config field {f.name!r} of {cls.__name__} differs from another algorithm's declaration")
-            merged.setdefault(f.name, (f, hints[f.name]))
-    fields = [
-        (name, hint, dataclasses.field(default=f.default) if f.default is not dataclasses.MISSING else dataclasses.field(default_factory=f.default_factory))
-        for name, (f, hint) in merged.items()
-    ]
-    checks = {}
-    for cls in (AlgorithmConfig, *(c.Config for c in ALGORITHMS.values())):
-        for klass in reversed(cls.__mro__):
-            checks.update(getattr(klass, "CHECKS", None) or {})
-    return dataclasses.make_dataclass("AlgorithmSchema", fields, namespace={"CHECKS": checks})
-
-
-def _default(f: dataclasses.Field):
-    return f.default if f.default is not dataclasses.MISSING else f.default_factory()
 
 
 def build_algorithm(config, run: RunContext) -> Algorithm:

@@ -27,6 +27,8 @@ from diffrl.sampling.seeding import Stream, derive, generator, generators
 class PreferenceConfig(AlgorithmConfig):
     CHECKS: ClassVar[dict[str, Check]] = {"dpo_beta": positive(), "dpo_num_timesteps": at_least(1)}
 
+    name: str = "dpo"
+    trainer: str = "preference"
     dpo_beta: float = 50.0
     """Diffusion-DPO β (the reference code's beta_dpo)"""
     dpo_num_timesteps: int = 4

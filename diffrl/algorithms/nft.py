@@ -36,6 +36,8 @@ class NFTConfig(AlgorithmConfig):
         "old_decay_rate": at_least(0, integer=False), "old_decay_max": between(0, 1), "old_decay_delay": at_least(0),
     }
 
+    name: str = "nft"
+    trainer: str = "nft"
     nft_beta: float = 1.0
     """DiffusionNFT β"""
     nft_adaptive_weight: bool = True

@@ -153,14 +153,16 @@ def run_paired_change(run_dir, steps: int, metrics: list[str]) -> dict | None:
     return {"steps": [0, steps], **paired_change(*(read_jsonl(f) for f in files), metrics)}
 
 
-def per_sample_scores(images: torch.Tensor, prompts: list[str], metrics: dict[str, Callable], source_images: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+def per_sample_scores(images: torch.Tensor, prompts: list[str], metrics: dict[str, Callable], source_images: torch.Tensor | None = None,
+                      metadata=None) -> dict[str, torch.Tensor]:
     """``{name: float [B]}``: each eval metric (reward protocol) on every image.
 
     The value of metric ``name`` is its output under ``name`` (else its first output), the same choice as
     :func:`diffrl.sampling.evaluation.score_images`, whose means are ``scores[name].mean()``. An editing
-    run passes ``source_images`` (uint8 ``[B, 3, H, W]``) for the metrics that declare ``needs_source``.
+    run passes ``source_images`` (uint8 ``[B, 3, H, W]``) for the metrics that declare ``needs_source``; ``metadata``
+    (one row per sample, e.g. a prompt set's GenEval rows) reaches every metric as the reward protocol's ``metadata``.
     """
-    return {name: main_score(name, call_reward(name, fn, images, prompts, None, source_images)) for name, fn in metrics.items()}
+    return {name: main_score(name, call_reward(name, fn, images, prompts, metadata, source_images)) for name, fn in metrics.items()}
 
 
 def main_score(name: str, result: dict[str, torch.Tensor]) -> torch.Tensor:

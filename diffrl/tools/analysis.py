@@ -28,7 +28,8 @@ import torch
 
 from diffrl import wandb_file
 from diffrl.checkpoint import list_checkpoints
-from diffrl.data import read_prompt_file
+from diffrl.data import run_prompts
+from diffrl.recipes import to_config
 from diffrl.distributed.workers import TrainingWorker
 from diffrl.logging import grid_cells, image_grid
 from diffrl.sampling.distribution import DISTRIBUTION_KEYS, relative_to_base
@@ -304,20 +305,18 @@ def plot_reward_histograms(run: Run | str | Path, metric: str, steps: Sequence[i
 def eval_set(run: Run | str | Path, adapter=None) -> tuple[list[str], list[int]]:
     """The run's held-out evaluation prompts and seeds (the same pairs its evaluations sampled).
 
-    Without a prompt file the prompts are the model family's built-in set (from ``adapter``, else a
-    freshly built one)."""
+    The prompts are the run's evaluation prompts (``diffrl.data.run_prompts``: a built-in set's test split, a
+    prompt file), else the model family's built-in set (from ``adapter``, else a freshly built one)."""
 
     (run,) = _as_runs(run)
-    t = run.config["trainer"]
-    if t.get("prompts"):
-        prompts = read_prompt_file(t["prompts"])
-    else:
+    t = to_config(run.config).trainer
+    _, prompts, _ = run_prompts(t)
+    if prompts is None:
         if adapter is None:
-
             m = run.config["model"]
-            adapter = build_adapter(m["family"], path=m["path"], dtype=m["dtype"], device=m["device"])
-        prompts = adapter.default_prompts()
-    return eval_prompts_and_seeds(prompts, int(t["eval_seeds_per_prompt"]), int(t["eval_seed"]))
+            adapter = build_adapter(m["family"], path=m["path"], revision=m.get("revision"), dtype=m["dtype"], device=m["device"])
+        prompts = adapter.default_prompts()[: t.eval_num_prompts or None]
+    return eval_prompts_and_seeds(prompts, int(t.eval_seeds_per_prompt), int(t.eval_seed))
 
 
 def eval_metrics(run: Run | str | Path) -> dict:

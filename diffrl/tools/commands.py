@@ -38,7 +38,7 @@ import torch
 from safetensors.torch import load_file
 
 from diffrl.checkpoint import checkpoint_adapters, list_checkpoints, write_json_atomic
-from diffrl.data import check_edit_prompts
+from diffrl.data import check_edit_prompts, run_prompts, sample_metadata
 from diffrl.data import read_prompts as read_prompt_source
 from diffrl.distributed import build_worker_group
 from diffrl.distributed.workers import ActorRolloutRefWorker
@@ -268,14 +268,14 @@ def build_metrics(cfg, names: list[str] | None = None) -> dict:
     return {name: build_reward(name, **options.get(name, {})) for name in dict.fromkeys(names)}
 
 
-def score_per_image(images, prompts: list[str], metrics: dict, source_images=None) -> tuple[dict[str, list[float]], dict[str, float]]:
+def score_per_image(images, prompts: list[str], metrics: dict, source_images=None, metadata=None) -> tuple[dict[str, list[float]], dict[str, float]]:
     """Each metric called once, as the trainer's evaluation calls it (``rewards.base.call_reward``: chunks,
     input kind, video frames, checks): ``({output key: per-image values}, {"eval/<name>": mean})``, the means
     reduced like ``diffrl.sampling.evaluation.score_images`` (:func:`diffrl.logging.main_score`)."""
 
     per_image, means = {}, {}
     for name, fn in metrics.items():
-        out = call_reward(name, fn, images, prompts, None, source_images)
+        out = call_reward(name, fn, images, prompts, metadata, source_images)
         per_image.update({key: value.tolist() for key, value in out.items()})
         means[f"eval/{name}"] = float(main_score(name, out).mean())
     return per_image, means
@@ -389,7 +389,8 @@ def run_eval(args) -> int:
     metrics = build_metrics(cfg)
     adapter = chosen_adapter(args, source)
     workers = build_workers(source)
-    prompts = read_prompts(args, required=False) or (read_prompt_source(t.prompts) if t.prompts else workers.default_prompts())
+    _, eval_prompts, table = run_prompts(t)  # the trainer's evaluation prompts (a set's test split, eval_num_prompts)
+    prompts = read_prompts(args, required=False) or eval_prompts or (workers.default_prompts() or [])[: t.eval_num_prompts or None]
     if not prompts:
         raise ValueError(f"model family {cfg.model.family!r} has no built-in prompts; give --prompts, --prompt-file or trainer.prompts=<file>")
     prompts = check_edit_prompts(prompts, cfg.model.family, cfg.sampler)
@@ -397,7 +398,7 @@ def run_eval(args) -> int:
     all_records, seeds = eval_prompts_and_seeds(prompts, t.eval_seeds_per_prompt, t.eval_seed)
     images = workers.generate_sequences(_request(all_records, seeds, cfg, cfg.sampler.eval_num_steps, adapter))["images"]
     all_prompts, sources = split_prompts(all_records)
-    per_image, means = score_per_image(images, all_prompts, metrics, sources)
+    per_image, means = score_per_image(images, all_prompts, metrics, sources, sample_metadata(all_prompts, table))
     cells = images if sources is None else torch.cat([sources, images], dim=-1)  # source | edit
     first_seed = cells[:: t.eval_seeds_per_prompt][: t.max_grid_images]
     out.mkdir(parents=True, exist_ok=True)
