@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from diffrl.algorithms import ALGORITHMS, algorithm_class, check_config
+from diffrl.algorithms import ALGORITHMS, algorithm_class, check_config, group_class
 from diffrl.algorithms.policy_gradient import PolicyGradientConfig
 from diffrl.config import Check, ModelConfig, RewardConfig, SamplerConfig, TrainerConfig
 from diffrl.hub import HubError, is_hub_ref, offline, resolve_weights
@@ -96,6 +96,11 @@ def schema(trainer: str = "policy_gradient") -> DictConfig:
     return root
 
 
+def _groups() -> list[str]:
+    """The algorithm groups: ``configs/algorithm/*.yaml``."""
+    return sorted(path.stem for path in (CONFIG_DIR / "algorithm").glob("*.yaml"))
+
+
 def _groups_with(key: str) -> list[str]:
     """The algorithm groups (configs/algorithm/*.yaml) whose class declares ``key``."""
     owners = {name for name, cls in ALGORITHMS.items() if key in {f.name for f in dataclasses.fields(cls.Config)}}
@@ -114,7 +119,24 @@ def _valid_keys(dotted_parent: str, trainer: str = "policy_gradient") -> list[st
     return sorted(node.keys()) if isinstance(node, DictConfig) else []
 
 
-def _explain(exc: Exception) -> str:
+def _algorithm_keys(overrides: list[str], bad_key: str) -> list[str]:
+    """The keys of the algorithm group the ``overrides`` select (composed again without the ones naming ``bad_key``);
+    every registered algorithm's keys when that fails too."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    kept = [o for o in overrides if o.lstrip("+~").split("=", 1)[0] != bad_key]
+    try:
+        GlobalHydra.instance().clear()
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+            cls = OmegaConf.get_type(hydra_compose(config_name="config", overrides=kept).algorithm)
+        return sorted(f.name for f in dataclasses.fields(cls))
+    except Exception:  # the overrides fail for another reason too: list every algorithm's keys
+        return sorted({f.name for c in ALGORITHMS.values() for f in dataclasses.fields(c.Config)})
+
+
+def _explain(exc: Exception, overrides: list[str] | None = None) -> str:
     """Turn hydra/omegaconf errors into one message that names the key and the valid choices."""
     text = str(exc)
     match = re.search(r"Could not override '([^']+)'", text) or re.search(r"Key '([^']+)' (?:is )?not in", text)
@@ -128,7 +150,8 @@ def _explain(exc: Exception) -> str:
             if owners:
                 return (f"config key '{full}' belongs to another algorithm (algorithm={' | '.join(owners)}), not to the one this recipe selects; "
                         f"select its group (algorithm=<name>, or 'override /algorithm: <name>' in a recipe) or drop the key")
-            return f"unknown config key '{full}'{where}; see the algorithm's Config in diffrl/algorithms/ for its keys. Check the spelling."
+            valid = _algorithm_keys(list(overrides or []), full)
+            return f"unknown config key '{full}'{where}; valid keys{where}: {valid}. Check the spelling (the algorithm's Config in diffrl/algorithms/)."
         valid = _valid_keys(parent)
         return f"unknown config key '{full}'{where}; valid keys{where}: {valid}. Check the spelling (see diffrl/config.py and the algorithm's module in diffrl/algorithms/)."
     cause = exc.__cause__ or exc.__context__
@@ -162,15 +185,14 @@ def compose(overrides: list[str] | None = None, config_name: str = "config") -> 
     try:
         with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
             cfg = hydra_compose(config_name=config_name, overrides=list(overrides or []))
-        trainer = OmegaConf.get_type(cfg.algorithm)
-        names = [name for name, cls in ALGORITHMS.items() if cls.Config is trainer]
-        if names and cfg.algorithm.trainer != names[0]:
-            raise ConfigError(f"algorithm.trainer={cfg.algorithm.trainer} does not match the algorithm group, whose class is {names[0]}; "
-                              f"select the algorithm by its group (algorithm=<name>: {', '.join(sorted(p.stem for p in (CONFIG_DIR / 'algorithm').glob('*.yaml')))})")
-        cfg_typed = OmegaConf.merge(schema(names[0] if names else "policy_gradient"), OmegaConf.to_container(cfg, resolve=False))
+        try:
+            name = group_class(cfg.algorithm, _groups())
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        cfg_typed = OmegaConf.merge(schema(name), OmegaConf.to_container(cfg, resolve=False))
         OmegaConf.resolve(cfg_typed)
     except (HydraException, OmegaConfBaseException) as exc:
-        raise ConfigError(_explain(exc)) from None
+        raise ConfigError(_explain(exc, overrides)) from None
     OmegaConf.set_struct(cfg_typed, True)
     return cfg_typed
 
@@ -180,9 +202,9 @@ def to_config(cfg: DictConfig | Config) -> Config:
     if isinstance(cfg, Config):
         return cfg
     if not isinstance(cfg, DictConfig) or OmegaConf.get_type(cfg) is not Config:  # e.g. a run's config.yaml: add the schema
-        trainer = OmegaConf.select(OmegaConf.create(cfg) if not isinstance(cfg, DictConfig) else cfg, "algorithm.trainer") or "policy_gradient"
+        node = cfg if isinstance(cfg, DictConfig) else OmegaConf.create(cfg)
         try:
-            cfg = OmegaConf.merge(schema(str(trainer)), cfg)
+            cfg = OmegaConf.merge(schema(group_class(node.get("algorithm") or {}, _groups())), cfg)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
     return OmegaConf.to_object(cfg)

@@ -11,16 +11,18 @@ Wire protocol (JSON, UTF-8; images as base64 PNG, never pickle):
   404 (unknown path), 405 (wrong method), 408 (the body did not arrive within the server's body timeout;
   the connection is closed), 409 (``reward`` names another reward than the one served), 413 (over a size
   limit: body bytes, images per request, pixels per image or per request — pixels are read from the PNG
-  headers before decoding), 415 (not ``application/json``), 500 (the reward raised; message included),
-  503 (busy: all request slots taken, ``Retry-After``; or, as plain text from uvicorn, too many
-  connections). Malformed HTTP gets uvicorn's plain-text 400. The server keeps serving after each.
+  headers before decoding), 415 (not ``application/json``), 422 (the reward refused the request's input:
+  it raised ``ValueError``, e.g. a prompt outside its grammar or an image it cannot read; message included),
+  500 (the reward failed otherwise; message included), 503 (busy: all request slots taken, ``Retry-After``;
+  or, as plain text from uvicorn, too many connections). Request headers over 16 KiB get 400 on every route;
+  malformed HTTP gets uvicorn's plain-text 400. The server keeps serving after each.
 
 The client :class:`RemoteReward` sends at most ``batch_size`` images per request (``concurrency``
 requests at a time), waits ``timeout`` seconds per socket operation and ``attempt_timeout`` for a whole
 attempt, and retries connection failures, timeouts and 408/502/503/504 answers up to ``retries`` times,
 sleeping ``backoff · 2^k`` before retry ``k``; then it raises :class:`~rewards.base.RewardError` naming the
-server. Any other 4xx or a 500 is not retried (the same request would fail again) and raises at once with
-the server's message, as does an answer that does not hold one number per image.
+server. Any other 4xx (422 included) or a 500 is not retried (the same request would fail again) and raises
+at once with the server's message, as does an answer that does not hold one number per image.
 """
 
 from __future__ import annotations

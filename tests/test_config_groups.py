@@ -85,3 +85,30 @@ def test_recipes_select_their_algorithm_by_group():
     ddpo = validate(compose(["experiment=digits_ddpo"])).algorithm
     assert (ddpo.loss, ddpo.clip_range, ddpo.adv_stat_tracker, ddpo.lr) == ("ddpo", 1e-4, True, 3e-3)
     assert {f.name for f in dataclasses.fields(type(ddpo))} >= {"loss", "clip_range", "rollout_is_cap"}
+
+
+def test_function_defaults_agree_with_the_config():
+    """Every default is stated once: an algorithm's objective takes its hyper-parameters from the Config (no defaults
+    of its own), and a registered loss's keyword defaults, where they name a Config field, equal the Config's."""
+    import inspect
+
+    from diffrl.algorithms import RunContext
+    from diffrl.algorithms.losses import LOSSES
+    from diffrl.config import SamplerConfig
+
+    run = RunContext(seed=0, prompts_per_step=2, group_size=2, sampler=SamplerConfig(), reward_weights={"digits": 1.0})
+    for name, cls in ALGORITHMS.items():
+        objective = cls(cls.Config(), run).objective()
+        if inspect.isclass(type(objective)) and type(objective).__init__ is not object.__init__ and not callable(getattr(objective, "__wrapped__", None)):
+            params = inspect.signature(type(objective).__init__).parameters.values()
+            with_default = [p.name for p in params if p.name != "self" and p.default is not inspect.Parameter.empty]
+            assert not with_default, f"{type(objective).__name__} ({name}) repeats defaults of {cls.Config.__name__}: {with_default}"
+    config_defaults = {}
+    for cls in ALGORITHMS.values():
+        config_defaults.update({f.name: f.default for f in dataclasses.fields(cls.Config) if f.default is not dataclasses.MISSING})
+    disagree = []
+    for loss_name, fn in LOSSES.items():
+        for p in inspect.signature(fn).parameters.values():
+            if p.name in config_defaults and p.default is not inspect.Parameter.empty and p.default != config_defaults[p.name]:
+                disagree.append((loss_name, p.name, p.default, config_defaults[p.name]))
+    assert not disagree, disagree

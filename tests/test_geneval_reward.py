@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from diffrl.hub import HubError
 from rewards.base import RewardError, build_reward, score
 from rewards.geneval import COLORS, GenEvalOwl, check, parse_prompt, relative_position, singular
 
@@ -118,8 +119,8 @@ def test_the_tiny_random_detector_runs_end_to_end_through_the_registry():
     assert out["geneval"][1] == 0.5
     scored = score({"geneval": (fn, 2.0)}, images, prompts)
     assert torch.equal(scored["rewards"], 2.0 * out["geneval"]) and torch.equal(scored["reward/geneval_strict"], out["geneval_strict"])
-    with pytest.raises(RewardError, match=r"needs a local folder with an OWLv2"):
-        build_reward("geneval")
+    with pytest.raises(HubError, match=r"reward.options.geneval.checkpoint=google/owlv2-base-patch16-ensemble: .*hf download google/owlv2"):
+        build_reward("geneval")  # the published weights by default; offline with an empty cache: the fetch command
     with pytest.raises(ValueError, match="threshold must be in"):
         GenEvalOwl(random_init=True, model_config=TINY, threshold=1.5)
 

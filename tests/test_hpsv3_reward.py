@@ -8,6 +8,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from diffrl.hub import HubError
 from rewards.base import RewardError, build_reward
 from rewards.hpsv3 import INSTRUCTION, REWARD_TOKEN, SUFFIX, HPSv3, convert_keys, smart_resize
 
@@ -100,5 +101,5 @@ def test_tiny_hpsv3_reads_the_reward_token_and_is_batch_invariant(base, tmp_path
     torch.testing.assert_close(loaded(images, prompts)["hpsv3"], out["hpsv3"])
     with pytest.raises(RewardError, match=f"must hold {REWARD_TOKEN.replace('|', '.')} exactly once"):
         reward(images[:1], [f"a car {REWARD_TOKEN}"])
-    with pytest.raises(RewardError, match="needs a local Qwen2-VL-7B-Instruct folder"):
+    with pytest.raises(HubError, match="reward.options.hpsv3.base=Qwen/Qwen2-VL-7B-Instruct: .*hf download Qwen/Qwen2-VL-7B-Instruct"):
         build_reward("hpsv3", checkpoint=str(tmp_path / "HPSv3.safetensors"))

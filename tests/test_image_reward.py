@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from diffrl.hub import HubError
 from rewards.base import RewardError, build_reward
 from rewards.clip_models import clip_preprocess
 from rewards.image_reward import MAX_LENGTH, MEAN, STD, ImageReward, convert_state_dict
@@ -129,7 +130,7 @@ def test_conversion_and_loading_errors_are_named(vocab, tmp_path):
         convert_state_dict({k: v for k, v in sd.items() if not k.startswith("mlp.")})
     with pytest.raises(RewardError, match="does not fit the text model"):
         ImageReward(checkpoint=str(tmp_path / "ImageReward.pt"), tokenizer=str(vocab), vision_config=V, text_config={**T, "num_hidden_layers": 3})
-    with pytest.raises(RewardError, match="needs the ImageReward.pt file"):
+    with pytest.raises(HubError, match="reward.options.imagereward.checkpoint=THUDM/ImageReward/ImageReward.pt: .*hf download THUDM/ImageReward ImageReward.pt"):
         build_reward("imagereward", tokenizer=str(vocab))
     random = ImageReward(random_init=True, tokenizer=str(vocab), vision_config=V, text_config=T)
     out = random(torch.zeros(2, 3, 32, 32, dtype=torch.uint8), PROMPTS[:2])["imagereward"]

@@ -223,7 +223,7 @@ def test_nft_minimiser_closed_form_and_numerical(beta):
     torch.testing.assert_close(closed[2], v_old[2])
     # closed form: zero gradient there
     v = closed.clone().requires_grad_(True)
-    loss, _ = nft_loss(v, v_old, v_target, r, nft_beta=beta)
+    loss, _ = nft_loss(v, v_old, v_target, r, nft_beta=beta, adaptive_weight=False)
     (grad,) = torch.autograd.grad(loss, v)
     assert grad.abs().max().item() < 1e-6
     # numerical: minimise over a free tensor from a random start
@@ -232,7 +232,7 @@ def test_nft_minimiser_closed_form_and_numerical(beta):
 
     def closure():
         opt.zero_grad()
-        value, _ = nft_loss(v, v_old, v_target, r, nft_beta=beta)
+        value, _ = nft_loss(v, v_old, v_target, r, nft_beta=beta, adaptive_weight=False)
         value.backward()
         return value
 
@@ -242,7 +242,7 @@ def test_nft_minimiser_closed_form_and_numerical(beta):
     v = torch.zeros_like(v_old, requires_grad=True)
     step = 0.5 * v_old.numel() / (2 * beta)
     for _ in range(200):
-        value, _ = nft_loss(v, v_old, v_target, r, nft_beta=beta)
+        value, _ = nft_loss(v, v_old, v_target, r, nft_beta=beta, adaptive_weight=False)
         (grad,) = torch.autograd.grad(value, v)
         v = (v - step * grad).detach().requires_grad_(True)
     torch.testing.assert_close(v.detach(), closed, rtol=1e-4, atol=1e-4)
@@ -260,7 +260,7 @@ NFT_R = [1.0, 0.25]
 
 def test_nft_unweighted_hand_value():
     v = torch.tensor(NFT_V_THETA, requires_grad=True)
-    loss, m = nft_loss(v, torch.tensor(NFT_V_OLD), torch.tensor(NFT_V_TARGET), torch.tensor(NFT_R), nft_beta=0.5)
+    loss, m = nft_loss(v, torch.tensor(NFT_V_OLD), torch.tensor(NFT_V_TARGET), torch.tensor(NFT_R), nft_beta=0.5, adaptive_weight=False)
     assert loss.item() == pytest.approx(3.25, abs=1e-6)
     assert m["positive_loss"] == pytest.approx((2.25 + 1) / 2) and m["negative_loss"] == pytest.approx((6.25 + 1) / 2)
     assert m["r_mean"] == pytest.approx(0.625) and m["kl"] == 0.0
@@ -299,7 +299,7 @@ def test_nft_kl_term():
     v = torch.tensor(NFT_V_THETA)
     v_ref = torch.tensor([[0.0], [3.0]])  # (1-0)^2, (1-3)^2 -> mean 2.5
     data = torch.tensor(NFT_V_OLD), torch.tensor(NFT_V_TARGET), torch.tensor(NFT_R)
-    loss, m = nft_loss(v, *data, nft_beta=0.5, kl_beta=0.1, v_ref=v_ref)
+    loss, m = nft_loss(v, *data, nft_beta=0.5, adaptive_weight=False, kl_beta=0.1, v_ref=v_ref)
     assert m["kl"] == pytest.approx(2.5)
     assert loss.item() == pytest.approx(3.25 + 0.25, abs=1e-6)
 
@@ -307,15 +307,15 @@ def test_nft_kl_term():
 def test_nft_argument_errors():
     v, vo, vt, r = torch.tensor(NFT_V_THETA), torch.tensor(NFT_V_OLD), torch.tensor(NFT_V_TARGET), torch.tensor(NFT_R)
     with pytest.raises(ValueError, match="nft_beta"):
-        nft_loss(v, vo, vt, r, nft_beta=0.0)
+        nft_loss(v, vo, vt, r, nft_beta=0.0, adaptive_weight=False)
     with pytest.raises(ValueError, match=r"\[0, 1\]"):
-        nft_loss(v, vo, vt, torch.tensor([1.5, 0.0]), nft_beta=1.0)
+        nft_loss(v, vo, vt, torch.tensor([1.5, 0.0]), nft_beta=1.0, adaptive_weight=False)
     with pytest.raises(ValueError, match="sigma"):
         nft_loss(v, vo, vt, r, nft_beta=1.0, adaptive_weight=True)
     with pytest.raises(ValueError, match="v_ref"):
-        nft_loss(v, vo, vt, r, nft_beta=1.0, kl_beta=0.1)
+        nft_loss(v, vo, vt, r, nft_beta=1.0, adaptive_weight=False, kl_beta=0.1)
     with pytest.raises(ValueError, match="must match"):
-        nft_loss(v, vo[:1], vt, r, nft_beta=1.0)
+        nft_loss(v, vo[:1], vt, r, nft_beta=1.0, adaptive_weight=False)
 
 
 def test_nft_reward_to_r_hand_values():

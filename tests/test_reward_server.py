@@ -166,6 +166,79 @@ def test_concurrent_requests_merge_into_one_call_and_errors_stay_with_their_requ
         torch.testing.assert_close(futures[3].result(), batches[3][0].float().mean(dim=(1, 2, 3)), rtol=0, atol=1e-5)
 
 
+def test_the_rewards_input_rejections_get_422_with_its_message_and_are_not_retried():
+    """A prompt outside the reward's grammar and a 10,000-character prompt are the client's input: the reward's
+    ValueError answers 422 with its message (cut in the middle when it quotes a long prompt), the client raises at
+    once, and the server keeps serving; the reward's own faults stay 500 (test_reward_error_is_500_…)."""
+    with RewardServer(build_reward("digits"), port=0, token=TOKEN) as server:
+        good = _images(1, seed=0)
+        grammar = "is not of the form 'a <colour> <digit>'"
+        status, answer = _post(server.url, _body(good, ["the quick brown fox"]), AUTH)
+        assert status == 422 and answer["error"].startswith("reward 'digits' rejected the request: ValueError: digits prompt 'the quick brown fox' "
+                                                            + grammar), answer
+        status, answer = _post(server.url, _body(good, ["a red seven " + "x" * 9_988]), AUTH)
+        assert status == 422 and answer["error"].startswith("reward 'digits' rejected the request: ValueError: digits prompt 'a red seven xxx"), answer
+        assert grammar in answer["error"] and "characters left out" in answer["error"] and len(answer["error"]) < 2_200
+        assert _post(server.url, _body(good, ["a red seven"]), AUTH)[0] == 200  # still serving
+        client = RemoteReward(server.url, token=TOKEN, retries=3, backoff=0.01)
+        with pytest.raises(RewardError, match=r"answered HTTP 422: reward 'digits' rejected the request: ValueError: digits prompt 'a blue ban"):
+            client(good, ["a blue banana"])
+        assert client.stats == {"requests": 1, "attempts": 1, "retries": 0, "failures": 1}
+        assert server.stats["errors"][422] == 3 and 500 not in server.stats["errors"]
+
+
+def test_an_image_the_reward_cannot_read_gets_422():
+    """A 1×1 PNG to a reward that checks its input size (ValueError): 422 with the reward's message."""
+    with RewardServer(build_reward("digits_gold2"), port=0, token=TOKEN) as server:
+        status, answer = _post(server.url, _body(_images(1, seed=0, size=1), ["a red seven"]), AUTH)
+        assert (status, answer) == (422, {"error": "reward 'digits_gold2' rejected the request: ValueError: digits_gold2 reads uint8 images "
+                                                   "[B, 3, 16, 16], got torch.uint8 (1, 3, 1, 1)"})
+        assert _post(server.url, _body(_images(1, seed=0), ["a red seven"]), AUTH)[0] == 200
+
+
+def test_a_one_pixel_png_to_digits_gets_422():
+    with RewardServer(build_reward("digits"), port=0, token=TOKEN) as server:
+        status, answer = _post(server.url, _body(_images(1, seed=0, size=1), ["a red seven"]), AUTH)
+        assert status == 422 and answer["error"].startswith("reward 'digits' rejected the request: ValueError:"), (status, answer)
+
+
+def _head(method: str, path: str, size: int) -> bytes:
+    """A request head of exactly ``size`` bytes (an ``X-Pad`` header fills it)."""
+    start, end = f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Pad: ".encode(), b"\r\n\r\n"
+    return start + b"p" * (size - len(start) - len(end)) + end
+
+
+def test_request_headers_over_16_kib_get_400_on_every_route(jpeg_server):
+    """docs/rewards.md: request headers over 16 KiB get 400, whatever the route, whether they arrive whole (the
+    app's JSON answer) or in pieces (h11's limit, uvicorn's plain text); the server keeps serving."""
+    from diffrl.tools.reward_server import MAX_HEADER_BYTES
+    from diffrl.tools.reward_server_attacks import read_raw
+
+    host, port = jpeg_server.url.removeprefix("http://").split(":")
+    assert MAX_HEADER_BYTES == 16 * 1024
+
+    def send(data: bytes) -> tuple[int, bytes]:
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            sock.sendall(data)
+            return read_raw(sock)
+
+    # GET /health with a 64 KiB header, as a client library sends it
+    conn = http.client.HTTPConnection(host, int(port), timeout=10)
+    try:
+        conn.request("GET", "/health", headers={"X-Big": "a" * (64 << 10)})
+        response = conn.getresponse()
+        assert response.status == 400, response.read()
+    finally:
+        conn.close()
+    for method, path in [("GET", "/health"), ("POST", "/score"), ("GET", "/nope"), ("PUT", "/health")]:
+        status, body = send(_head(method, path, MAX_HEADER_BYTES + 1))
+        assert status == 400 and b"over this server's limit of 16384 bytes" in body, (method, path, status, body)
+    assert send(_head("GET", "/health", MAX_HEADER_BYTES))[0] == 200  # the limit itself is allowed
+    # the first 20,000 bytes of a longer head, no end in sight: h11 refuses the incomplete head
+    assert send(_head("GET", "/health", 64 << 10)[:20_000]) == (400, b"Invalid HTTP request received.")
+    assert _post(jpeg_server.url, _body(_images(1, seed=0), ["a"]), AUTH)[0] == 200
+
+
 class _Flaky503(BaseHTTPRequestHandler):
     """Answers 503 to the first ``fail_first`` POSTs, then 200 with score = 1000 · (request number)."""
 

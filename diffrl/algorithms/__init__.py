@@ -21,6 +21,7 @@ from diffrl.algorithms.base import (
     algorithm_class,
     build_algorithm,
     check_config,
+    group_class,
     register_algorithm,
 )
 from diffrl.algorithms.dpo import Preference
@@ -29,5 +30,5 @@ from diffrl.algorithms.policy_gradient import PolicyGradient
 
 __all__ = [
     "ALGORITHMS", "AWM", "Algorithm", "NFT", "PolicyGradient", "Preference", "RolloutPlan", "RunContext", "StepResult",
-    "algorithm_class", "build_algorithm", "check_config", "register_algorithm",
+    "algorithm_class", "build_algorithm", "check_config", "group_class", "register_algorithm",
 ]

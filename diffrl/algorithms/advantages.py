@@ -6,8 +6,8 @@
 batch (``"global"``, Flow-GRPO's default, which keeps low-variance groups from being amplified), or 1
 (``"none"``, Dr.GRPO). Stds are population stds (``unbiased=False``).
 
-Also: ``group_std_keep_mask`` (drop zero-variance groups), ``PerPromptStatTracker`` (DDPO's per-prompt
-running statistics) and ``aggregate_rewards`` (several weighted rewards).
+Also: ``check_group_size`` (refuse groups of one sample), ``group_std_keep_mask`` (drop zero-variance groups),
+``PerPromptStatTracker`` (DDPO's per-prompt running statistics) and ``aggregate_rewards`` (several weighted rewards).
 """
 
 from __future__ import annotations
@@ -56,6 +56,27 @@ def group_advantages(
         std = torch.ones_like(r)
         eps = 0.0
     return (centred / (std + eps)).clamp(-clip_max, clip_max)
+
+
+def check_group_size(group_size: int, algorithm: str, *, alternative: str = "") -> None:
+    """Refuse ``trainer.group_size < 2`` for an algorithm whose advantages are group-relative.
+
+    :func:`group_advantages` centres each reward on its prompt group's mean (whatever ``std_mode``), so a group
+    of one sample has advantage 0 whatever its reward and the update learns nothing from the rewards.
+
+    Args:
+        group_size: ``trainer.group_size``.
+        algorithm: the algorithm's name, for the message.
+        alternative: another fix to name after the group size (e.g. ``"algorithm.adv_stat_tracker=true ..."``).
+    Raises:
+        ValueError: one line naming the key and the fix.
+    """
+    if group_size < 2:
+        other = f", or {alternative}" if alternative else ""
+        raise ValueError(
+            f"trainer.group_size={group_size} leaves {algorithm} one sample per prompt: its advantages are each reward minus its prompt "
+            f"group's mean, so every advantage would be 0 and the rewards would train nothing; set trainer.group_size=2 or more{other}"
+        )
 
 
 def _group_index(group_id: torch.Tensor) -> tuple[torch.Tensor, int]:

@@ -25,6 +25,7 @@ from typing import ClassVar
 import torch
 from tensordict import TensorDict
 
+from diffrl.algorithms.advantages import check_group_size
 from diffrl.algorithms.awm_loss import AWM_WEIGHTINGS, awm_loss
 from diffrl.algorithms.base import Algorithm, RolloutPlan, StepResult, register_algorithm, sample_only_plan
 from diffrl.algorithms.objectives import renoised_clean_samples
@@ -86,6 +87,7 @@ class AWM(Algorithm):
             raise ValueError(f"unknown algorithm.awm_weighting {self.config.awm_weighting!r}; choose one of {AWM_WEIGHTINGS}")
         if self.config.awm_num_timesteps < 1:
             raise ValueError(f"algorithm.awm_num_timesteps must be ≥ 1, got {self.config.awm_num_timesteps}")
+        check_group_size(self.run.group_size, f"algorithm={self.config.name}")
 
     def objective(self):
         a = self.config

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
 import torch
+from omegaconf import OmegaConf
 from tensordict import TensorDict
 
 from diffrl.config import AlgorithmConfig, SamplerConfig
@@ -223,6 +224,25 @@ def algorithm_class(name: str) -> type[Algorithm]:
     if name not in ALGORITHMS:
         raise ValueError(f"unknown algorithm.trainer {name!r}; choose one of {sorted(ALGORITHMS)}")
     return ALGORITHMS[name]
+
+
+def group_class(config, groups: list[str]) -> str:
+    """The registry name of the algorithm class whose ``Config`` an ``algorithm`` config group holds (``config``: the
+    composed node, typed by the group's ``schema_<name>``, or a plain mapping such as a run's ``config.yaml``).
+
+    Raises:
+        ValueError: ``config.trainer`` names another class than the group's (``algorithm.trainer=nft`` on the
+            flow_grpo group): the algorithm is chosen by its group, ``algorithm=<name>`` (one of ``groups``).
+    """
+    trainer = config.get("trainer") if hasattr(config, "get") else getattr(config, "trainer", None)
+    typed = OmegaConf.get_type(config) if OmegaConf.is_config(config) else None
+    names = [name for name, cls in ALGORITHMS.items() if cls.Config is typed]
+    if not names:  # an untyped mapping: its trainer names the class
+        return str(trainer or "policy_gradient")
+    if trainer is not None and trainer != names[0]:
+        raise ValueError(f"algorithm.trainer={trainer} does not match the algorithm group, whose class is {names[0]}; "
+                         f"select the algorithm by its group (algorithm=<name>: {', '.join(groups)})")
+    return names[0]
 
 
 def check_config(config) -> None:

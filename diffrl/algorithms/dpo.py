@@ -47,7 +47,7 @@ class DPOObjective:
     loss_name = "dpo"
     needs_reference = True
 
-    def __init__(self, *, dpo_beta: float, num_timesteps: int = 1):
+    def __init__(self, *, dpo_beta: float, num_timesteps: int):
         if num_timesteps < 1:
             raise ValueError(f"algorithm.dpo_num_timesteps must be ≥ 1, got {num_timesteps}")
         self.dpo_beta, self.num_timesteps = dpo_beta, num_timesteps
@@ -109,6 +109,14 @@ class Preference(Algorithm):
 
     def objective(self):
         return DPOObjective(dpo_beta=self.config.dpo_beta, num_timesteps=self.config.dpo_num_timesteps)
+
+    def validate(self, num_workers: int) -> None:
+        if not self.config.preference_pairs and self.run.group_size < 2:
+            raise ValueError(
+                f"trainer.group_size={self.run.group_size} leaves algorithm={self.config.name} one sample per prompt: its online pairs are the best "
+                "and worst sample of each prompt's group, so no step would have a pair to train on; set trainer.group_size=2 or more, "
+                "or train on offline pairs (algorithm.preference_pairs=<jsonl or parquet file>)"
+            )
 
     def setup(self, workers) -> None:
         if self.config.preference_pairs:

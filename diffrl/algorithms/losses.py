@@ -310,7 +310,7 @@ def nft_loss(
     r: torch.Tensor,
     *,
     nft_beta: float,
-    adaptive_weight: bool = False,
+    adaptive_weight: bool,
     sigma: torch.Tensor | None = None,
     adaptive_weight_min: float = 1e-5,
     kl_beta: float = 0.0,

@@ -14,6 +14,7 @@ from typing import ClassVar, Optional
 import torch
 from tensordict import TensorDict
 
+from diffrl.algorithms.advantages import check_group_size
 from diffrl.algorithms.base import Algorithm, RolloutPlan, StepResult, register_algorithm, sample_only_plan
 from diffrl.algorithms.losses import nft_loss, nft_reward_to_r
 from diffrl.algorithms.objectives import renoised_clean_samples
@@ -64,7 +65,7 @@ class NFTObjective:
 
     loss_name = "nft"
 
-    def __init__(self, *, nft_beta: float, adaptive_weight: bool = True, kl_beta: float = 0.0, num_timesteps: int | None = None):
+    def __init__(self, *, nft_beta: float, adaptive_weight: bool, kl_beta: float, num_timesteps: int | None):
         self.nft_beta, self.adaptive_weight, self.kl_beta = nft_beta, adaptive_weight, kl_beta
         self.num_timesteps = num_timesteps
         self.needs_reference = kl_beta > 0
@@ -122,6 +123,7 @@ class NFT(Algorithm):
 
     def validate(self, num_workers: int) -> None:
         old_decay(self.config.old_schedule, 1, rate=self.config.old_decay_rate, max_decay=self.config.old_decay_max, delay=self.config.old_decay_delay)
+        check_group_size(self.run.group_size, f"algorithm={self.config.name}")  # r = ½ for every sample: only a pull towards the old policy
 
     def rollout_plan(self, masks: WindowMasks) -> RolloutPlan:
         return sample_only_plan(self.run.sampler, masks, "old")

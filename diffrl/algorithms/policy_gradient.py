@@ -15,7 +15,7 @@ from typing import ClassVar
 import torch
 from tensordict import TensorDict
 
-from diffrl.algorithms.advantages import PerPromptStatTracker, aggregate_rewards, group_std_keep_mask
+from diffrl.algorithms.advantages import PerPromptStatTracker, aggregate_rewards, check_group_size, group_std_keep_mask
 from diffrl.algorithms.base import Algorithm, RolloutPlan, StepResult, register_algorithm
 from diffrl.algorithms.losses import STEP_LOSSES, make_step_loss
 from diffrl.config import AlgorithmConfig, Check, at_least, one_of, positive
@@ -94,6 +94,9 @@ class PolicyGradient(Algorithm):
         return make_step_loss(a.loss, **hyper)
 
     def validate(self, num_workers: int) -> None:
+        if not self.config.adv_stat_tracker:  # the tracker's statistics span steps (and the batch before a prompt has min_count rewards)
+            check_group_size(self.run.group_size, f"algorithm={self.config.name}",
+                             alternative="algorithm.adv_stat_tracker=true (DDPO's per-prompt statistics across steps)")
         if num_workers > 1 and self.config.adv_drop_zero_std:
             raise ValueError("algorithm.adv_drop_zero_std leaves an uneven number of rows; with trainer.num_workers > 1 set it to false")
 

@@ -59,12 +59,18 @@ class RankWorker:
         return getattr(self.worker, method)(*args, **kwargs)
 
 
+class ClusterCapacityError(ValueError, RuntimeError):
+    """The Ray cluster cannot hold the ranks asked for (``trainer.num_workers`` × the resources of each): bad input,
+    found before any work, so the CLI prints it as one line with exit status 2 (a ``ValueError``; also a
+    ``RuntimeError``, as it was before it had its own class)."""
+
+
 def _node_plan(nodes: list[dict], num_workers: int, cpus: float, gpus: float, driver_ip: str,
                keys: tuple[str, str] = ("trainer.num_workers", "trainer.num_cpus_per_worker")) -> list[tuple[str, int]]:
     """``[(node ip, ranks)]``: ranks packed node by node (the driver's node first, then by address).
 
     Raises:
-        RuntimeError: naming the capacity and what is missing when the nodes cannot hold ``num_workers``.
+        ClusterCapacityError: naming the capacity and what is missing when the nodes cannot hold ``num_workers``.
     """
     alive = sorted((n for n in nodes if n.get("Alive")), key=lambda n: (n["NodeManagerAddress"] != driver_ip, n["NodeManagerAddress"]))
     plan, left, described = [], num_workers, []
@@ -79,7 +85,7 @@ def _node_plan(nodes: list[dict], num_workers: int, cpus: float, gpus: float, dr
             plan.append((node["NodeManagerAddress"], take))
             left -= take
     if left > 0:
-        raise RuntimeError(
+        raise ClusterCapacityError(
             f"the Ray cluster cannot hold {keys[0]}={num_workers} ranks of {cpus:g} CPU and {gpus:g} GPU each: room for "
             f"{num_workers - left} ({'; '.join(described) or 'no alive node'}); {left} more rank(s) need "
             f"{left * cpus:g} CPU{f' and {left * gpus:g} GPU' if gpus else ''} — add nodes or lower {keys[0]} / {keys[1]}"

@@ -11,8 +11,11 @@ and handed to one scoring thread that merges requests arriving within ``batch_wa
 (same image size and metadata, up to ``max_batch`` images) into one reward call through
 :func:`rewards.base.call_reward` — so the reward's ``batch_size``/``input`` are honoured, its output is
 checked, and the model is never entered by two threads at once. If a merged call fails, each request is
-re-run alone so that an error reaches only the request that caused it. Every failure answers a JSON
-``{"error": …}`` and the server keeps serving; slow or idle clients are cut by the timeouts below.
+re-run alone so that an error reaches only the request that caused it: 422 when the reward refused the
+request's input (it raised ``ValueError``: a prompt outside its grammar, an image it cannot read), 500 for
+any other failure. Every failure answers a JSON ``{"error": …}`` and the server keeps serving; slow or idle
+clients are cut by the timeouts below, and a request head (request line and headers) over
+:data:`MAX_HEADER_BYTES` gets 400 on every route.
 """
 
 from __future__ import annotations
@@ -57,6 +60,11 @@ if TYPE_CHECKING:
 
 DEFAULT_PORT = 8765
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+MAX_HEADER_BYTES = 16 << 10
+"""Largest request head (request line and headers). h11 refuses a longer head that arrives in pieces (uvicorn's
+plain-text 400); one that arrives whole is parsed, so the app checks its size too (JSON 400) on every route."""
+MAX_ERROR_CHARS = 2000
+"""A reward's error message longer than this (one that quotes a 10,000-character prompt) is cut in the middle."""
 
 
 def _doc(text: str, default: Any) -> Any:
@@ -177,7 +185,7 @@ class _Batcher:
         for j in group:
             try:
                 j.future.set_result(self._call(j.images, j.prompts, j.metadata))
-            except BaseException as exc:  # noqa: BLE001 (handed to the request, which answers 500)
+            except BaseException as exc:  # noqa: BLE001 (handed to the request, which answers 422 or 500)
                 j.future.set_exception(exc if isinstance(exc, Exception) else RuntimeError(f"{type(exc).__name__}: {exc}"))
 
 
@@ -229,6 +237,21 @@ def decode_images(texts: list, limits: ServerLimits) -> torch.Tensor:
         except Exception as exc:  # noqa: BLE001 (any decoder failure on client bytes is a malformed request)
             raise _Reject(400, f"image {i} is a corrupt PNG ({type(exc).__name__}: {exc})") from None
     return torch.from_numpy(out).permute(0, 3, 1, 2).contiguous()
+
+
+def head_bytes(scope: dict) -> int:
+    """Bytes of an HTTP request's head as sent: ``METHOD target HTTP/x\\r\\n``, each ``name: value\\r\\n``, the blank line."""
+    target = len(scope.get("raw_path") or scope["path"].encode("utf-8")) + (1 + len(scope["query_string"]) if scope.get("query_string") else 0)
+    line = len(scope["method"]) + 1 + target + len(f" HTTP/{scope.get('http_version', '1.1')}\r\n")
+    return line + sum(len(name) + len(value) + 4 for name, value in scope["headers"]) + 2
+
+
+def _clip(text: str, limit: int = MAX_ERROR_CHARS) -> str:
+    """``text``, or its start and end around a note of how much was left out when it is longer than ``limit``."""
+    if len(text) <= limit:
+        return text
+    head, tail = limit * 2 // 3, limit // 3
+    return f"{text[:head]} … ({len(text) - head - tail} characters left out) … {text[-tail:]}"
 
 
 def _is_loopback(host: str) -> bool:
@@ -306,12 +329,13 @@ class RewardServer:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._socket = socket.create_server((host.strip("[]"), port), family=family, backlog=1024)  # OSError: the caller says why
         self._slots = asyncio.Semaphore(self.limits.max_inflight)
-        app = Starlette(routes=[Route("/health", self._health, methods=["GET"]), Route("/score", self._score, methods=["POST"])],
-                        exception_handlers={HTTPException: self._http_error, Exception: self._crash})
-        app.router.redirect_slashes = False
+        self._app = Starlette(routes=[Route("/health", self._health, methods=["GET"]), Route("/score", self._score, methods=["POST"])],
+                              exception_handlers={HTTPException: self._http_error, Exception: self._crash})
+        self._app.router.redirect_slashes = False
         protocol = type("RewardServerHTTP", (_GuardedH11,), {"header_timeout_s": self.limits.header_timeout_s})
-        config = uvicorn.Config(app, http=protocol, lifespan="off", log_config=None, log_level="warning", access_log=False,
-                                proxy_headers=False, server_header=False, headers=[("server", "diffrl-reward/1")],
+        config = uvicorn.Config(self._checked_head, interface="asgi3", http=protocol, lifespan="off", log_config=None, log_level="warning",
+                                access_log=False, proxy_headers=False, server_header=False, headers=[("server", "diffrl-reward/1")],
+                                h11_max_incomplete_event_size=MAX_HEADER_BYTES,
                                 limit_concurrency=self.limits.max_connections, timeout_keep_alive=self.limits.keep_alive_s,
                                 timeout_graceful_shutdown=self.limits.shutdown_timeout_s)
         self._uvicorn = uvicorn.Server(config)
@@ -369,6 +393,18 @@ class RewardServer:
         headers = {**(headers or {}), **({"Connection": "close"} if close else {})}
         return Response(json.dumps(answer).encode("utf-8"), status, headers=headers, media_type="application/json")
 
+    async def _checked_head(self, scope: dict, receive: Callable, send: Callable) -> None:
+        """The ASGI app uvicorn runs: a request whose head is over :data:`MAX_HEADER_BYTES` gets 400 (whatever its
+        route) and its connection is closed; any other goes to the starlette app."""
+        if scope["type"] == "http":
+            size = head_bytes(scope)
+            if size > MAX_HEADER_BYTES:
+                response = self._answer(Request(scope), 400, {"error": f"the request headers take {size} bytes, over this server's limit of "
+                                                                       f"{MAX_HEADER_BYTES} bytes; send shorter headers"}, close=True)
+                await response(scope, receive, send)
+                return
+        await self._app(scope, receive, send)
+
     async def _health(self, request: Request) -> Response:
         return self._answer(request, 200, self.health())
 
@@ -413,8 +449,10 @@ class RewardServer:
             images, prompts, metadata = await run_in_threadpool(self.parse_body, raw)
             try:
                 result = await asyncio.wrap_future(self._batcher.submit(images, prompts, metadata))
-            except Exception as exc:  # noqa: BLE001 (any error of the reward is reported to its request)
-                raise _Reject(500, f"reward {self.name!r} failed: {type(exc).__name__}: {exc}") from None
+            except ValueError as exc:  # the reward refused this request's prompts or images: the client's input, not a fault here
+                raise _Reject(422, f"reward {self.name!r} rejected the request: {type(exc).__name__}: {_clip(str(exc))}") from None
+            except Exception as exc:  # noqa: BLE001 (any other error of the reward is reported to its request)
+                raise _Reject(500, f"reward {self.name!r} failed: {type(exc).__name__}: {_clip(str(exc))}") from None
         finally:
             self._slots.release()
         main = self.name if self.name in result else next(iter(result))

@@ -54,6 +54,8 @@ class DigitsReward(Reward):
 
     @torch.no_grad()
     def __call__(self, images: torch.Tensor, prompts: list[str], metadata=None) -> dict[str, torch.Tensor]:
+        if images.ndim != 4 or tuple(images.shape[1:]) != (3, 16, 16):
+            raise ValueError(f"the digits reward reads images [B, 3, 16, 16] (the miniature's size), got {tuple(images.shape)}")
         digit, colour = _targets(prompts)
         d_logits, c_logits = self.model(images.to(self.device).float() / 255.0)
         p_digit = d_logits.softmax(-1).gather(1, digit.to(self.device)[:, None])[:, 0]
@@ -72,4 +74,6 @@ class DigitsGold(Reward):
         self.model = DigitsClassifier.from_pretrained(path or ASSET_DIR / "gold_classifier").to(device)
 
     def __call__(self, images: torch.Tensor, prompts: list[str], metadata=None) -> dict[str, torch.Tensor]:
+        if images.ndim != 4 or tuple(images.shape[1:]) != (3, 16, 16):
+            raise ValueError(f"the digits gold judge reads images [B, 3, 16, 16] (the miniature's size), got {tuple(images.shape)}")
         return {self.name: judge_correct(self.model, images.to(self.device), prompts).float().cpu()}
