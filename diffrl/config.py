@@ -305,7 +305,7 @@ class TrainerConfig:
         "rollout_replicas": at_least(0, note="0: rollout on the actor ranks"), "max_staleness": at_least(0, note="0: synchronous"),
         "weight_sync_bucket_mb": positive(), "weight_sync_backend": one_of("gloo", "nccl"),
         "num_gpus_per_rollout": at_least(0, integer=False), "num_cpus_per_rollout": at_least(0, integer=False),
-        "ema_decay": between(0, 1, hi_open=True), "ema_every": at_least(1),
+        "ema_decay": between(0, 1, hi_open=True), "ema_every": at_least(1), "stop_when_diverging": at_least(0, note="0: off"),
     }
     steps: int = 100
     """RL steps"""
@@ -338,6 +338,13 @@ class TrainerConfig:
     """the EMA's decay once warmed up (flow_grpo: 0.9)"""
     ema_every: int = 8
     """RL steps between EMA updates (flow_grpo: 8 optimizer steps)"""
+    select_by: Optional[str] = None
+    """keep the best checkpoint by this evaluation metric, a held-out judge the run does not train on (reward.gold or one of
+    reward.judges, or any eval/ key; a leading - selects the lowest): each evaluation that beats every earlier one writes a
+    checkpoint and best.json names it (diffrl.selection); null: off"""
+    stop_when_diverging: int = 0
+    """k ≥ 1: stop when over the last k evaluations the evaluation reward rose every time while trainer.select_by's metric fell
+    every time (the reward-hacking signature), naming the step and the best checkpoint; 0: off"""
     checkpoint_every: int = 50
     """write a LoRA checkpoint every N steps (and at the end); 0: only at the end"""
     output_dir: Optional[str] = None

@@ -25,6 +25,7 @@ from diffrl.algorithms import ALGORITHMS, algorithm_class, check_config, group_c
 from diffrl.algorithms.policy_gradient import PolicyGradientConfig
 from diffrl.config import Check, ModelConfig, RewardConfig, SamplerConfig, TrainerConfig
 from diffrl.hub import HubError, is_hub_ref, offline, resolve_weights
+from diffrl.selection import metric_key
 from diffrl.sampling.schedules import WINDOW_KINDS
 from diffrl.sampling.sde import ODE_SOLVERS, STEP_KINDS
 from pipelines.base import check_adapter_options, resolve_model_path
@@ -280,6 +281,17 @@ def validate(cfg: Config | DictConfig) -> Config:
             resolve_reward(name)
         except RewardError as exc:
             raise ConfigError(f"reward {name!r} (reward.names / gold / judges / feature_space) is invalid: {exc}") from None
+    t = cfg.trainer
+    if t.select_by is not None:
+        key, _ = metric_key(t.select_by)
+        metrics = [*r.names, *([r.gold] if r.gold else []), *r.judges]
+        _require(key[len("eval/"):] in metrics or t.select_by.lstrip("-+").startswith("eval/"),
+                 f"trainer.select_by={t.select_by} names no evaluation metric: use a held-out judge ({', '.join([*([r.gold] if r.gold else []), *r.judges]) or 'none: set reward.gold or reward.judges'}) "
+                 "or an eval/ key of metrics.jsonl (a leading - selects the lowest)")
+        _require(key[len("eval/"):] not in r.names or bool(t.stop_when_diverging) is False,
+                 f"trainer.stop_when_diverging={t.stop_when_diverging} compares the reward with trainer.select_by={t.select_by}, which is the reward itself; select by a judge the run does not train on")
+    _require(not t.stop_when_diverging or t.select_by is not None,
+             f"trainer.stop_when_diverging={t.stop_when_diverging} needs trainer.select_by=<a held-out judge> (what must not fall while the reward rises)")
     if offline():
         check_hub_cache(cfg)
     return cfg

@@ -49,10 +49,12 @@ from diffrl.sampling.evaluation import (
     eval_prompts_and_seeds,
     group_means,
     per_sample_scores,
+    read_jsonl,
     run_paired_change,
 )
 from diffrl.sampling.schedules import TrainingWindow
 from diffrl.sampling.seeding import Stream, derive
+from diffrl.selection import Selection
 from pipelines.base import family_class, split_prompts
 from rewards.base import RewardError, build_reward, score
 
@@ -213,6 +215,7 @@ class Trainer:
             self.eval_prompts = check_edit_prompts(self.eval_prompts, cfg.model.family, cfg.sampler)
         options = cfg.reward.options  # rewards before the model: a reward that cannot be built (a server down) costs nothing
         self.rewards = {name: (build_reward(name, **options.get(name, {})), w) for name, w in run.reward_weights.items()}
+        self.reward_weights = dict(run.reward_weights)
         self.eval_metrics = {name: fn for name, (fn, _) in self.rewards.items()}
         self.gold_name = cfg.reward.gold
         if self.gold_name:
@@ -422,6 +425,11 @@ class Trainer:
             (self.output_dir / "metrics.jsonl").unlink(missing_ok=True)
             self.restart_from_scratch = False
         start_step, before, last_eval = self._resume() if self.resume_path else (0, None, None)
+        self.selection, self.stopped_early = Selection(t.select_by, int(t.stop_when_diverging), self.reward_weights), None
+        if start_step:  # a resume replays the evaluations it keeps: the same best and the same history
+            for record in read_jsonl(self.output_dir / "metrics.jsonl"):
+                if record.get("kind") == "eval":
+                    self.selection.observe(record["step"], record)
         log = self.logger = RunLogger(
             self.output_dir, wandb_mode=t.wandb, project=t.wandb_project, entity=t.wandb_entity, run_name=t.wandb_run_name,
             config=OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True), max_table_rows=t.max_grid_images,
@@ -439,6 +447,7 @@ class Trainer:
                 log.log({"step": 0, "kind": "eval", **before, "wall_seconds": time.perf_counter() - wall_start})
                 progress.write(f"eval before training: {self._eval_line(before)}")
                 last_eval = before
+                self._select(0, before, progress)
             else:
                 progress.write(f"resumed from {self.resume_path} at step {start_step}")
                 if t.ema and "ema" not in checkpoint.checkpoint_adapters(self.resume_path):
@@ -446,6 +455,7 @@ class Trainer:
                     progress.write("trainer.ema: the checkpoint holds no EMA (it was trained without trainer.ema); the EMA starts from its weights")
                 if last_eval is None:
                     last_eval = self._evaluate_or_stop(start_step, wall_start, progress)
+                    self._select(start_step, last_eval, progress)
             self._rollout_queue, self._next_rollout, self._initial_sync = {}, start_step, None
             if self.replicas is not None:  # the replicas start from the actor's weights (a resume's included)
                 self.replicas.discard()
@@ -466,8 +476,10 @@ class Trainer:
                 done = step + 1
                 if (t.eval_every and done % t.eval_every == 0) or done == t.steps:
                     last_eval = self._evaluate_or_stop(done, wall_start, progress)
+                    if self._select(done, last_eval, progress):
+                        break
                 if (t.checkpoint_every and done % t.checkpoint_every == 0) or done == t.steps:
-                    self.workers.save_checkpoint(self.output_dir / "checkpoints", global_step=done, extra_state=self.trainer_state())
+                    self._save_checkpoint(done)
             finished = True
         finally:
             progress.close()
@@ -479,6 +491,34 @@ class Trainer:
         summary = self._summary(before, last_eval, time.perf_counter() - wall_start)
         checkpoint.write_json_atomic(self.output_dir / "summary.json", summary)
         return summary
+
+    def _save_checkpoint(self, step: int) -> Path:
+        """The checkpoint at ``step`` (written unless it exists: a selected step is also a periodic one)."""
+        path = self.output_dir / "checkpoints" / f"step_{step:06d}"
+        if path.is_dir():
+            return path
+        return Path(self.workers.save_checkpoint(self.output_dir / "checkpoints", global_step=step, extra_state=self.trainer_state()))
+
+    def _select(self, step: int, metrics: dict, progress: Progress) -> bool:
+        """``trainer.select_by`` and ``trainer.stop_when_diverging`` after the evaluation at ``step``
+        (:mod:`diffrl.selection`): a new best writes its checkpoint and ``best.json``; the hacking signature writes the
+        step's checkpoint and ends the run (returns True) with a line naming the checkpoint to use."""
+        try:
+            improved, diverging = self.selection.observe(step, metrics)
+        except KeyError as exc:
+            raise ValueError(str(exc.args[0])) from None
+        if improved:
+            path = self._save_checkpoint(step) if step > 0 else None
+            best = {**self.selection.best, "checkpoint": str(path) if path else None}
+            checkpoint.write_json_atomic(self.output_dir / "best.json", best)
+        if not diverging:
+            return False
+        self._save_checkpoint(step)
+        best = self.selection.best
+        self.stopped_early = {"step": step, "reason": self.selection.stop_message(), "best_step": best["step"], "best_value": best["value"],
+                              "checkpoint": str(self.output_dir / "checkpoints" / f"step_{best['step']:06d}") if best["step"] > 0 else None}
+        progress.write(self.selection.stop_message())
+        return True
 
     def close(self) -> None:
         """Release the workers (Ray actors) and the rollout replicas."""
@@ -693,9 +733,10 @@ class Trainer:
 
     def _summary(self, before: dict, after: dict, wall: float) -> dict:
         reward_keys = [f"eval/{name}" for name in self.rewards]
+        steps = self.stopped_early["step"] if self.stopped_early else int(self.cfg.trainer.steps)
         summary = {
             "experiment": self.cfg.experiment,
-            "steps": int(self.cfg.trainer.steps),
+            "steps": steps,
             "wall_seconds": wall,
             "reward_before": sum(before[k] * w for k, (_, w) in zip(reward_keys, self.rewards.values())),
             "reward_after": sum(after[k] * w for k, (_, w) in zip(reward_keys, self.rewards.values())),
@@ -710,8 +751,13 @@ class Trainer:
             summary["gold_accuracy_before"] = before[f"eval/{self.gold_name}"]
             summary["gold_accuracy_after"] = after[f"eval/{self.gold_name}"]
         # the same held-out (prompt, seed) pairs before and after: per-sample paired changes of every metric
-        paired = run_paired_change(self.output_dir, int(self.cfg.trainer.steps), list(self.eval_metrics))
+        paired = run_paired_change(self.output_dir, steps, list(self.eval_metrics))
         if paired is not None:
             summary["paired_change"] = paired
-        summary.update(collapse_summary(before, after, self.output_dir, int(self.cfg.trainer.steps), self.gold_name, self.judge_names))
+        summary.update(collapse_summary(before, after, self.output_dir, steps, self.gold_name, self.judge_names))
+        if self.selection.best is not None:
+            best = self.selection.best
+            summary["selected"] = {**best, "checkpoint": str(self.output_dir / "checkpoints" / f"step_{best['step']:06d}") if best["step"] > 0 else None}
+        if self.stopped_early:
+            summary["stopped_early"] = self.stopped_early
         return summary

@@ -20,7 +20,7 @@ LAYERS = [
     ("diffrl.algorithms",),
     ("diffrl.engine", "diffrl.checkpoint"),
     ("diffrl.sampling", "diffrl.data", "diffrl.logging", "diffrl.wandb_file"),
-    ("diffrl.prompt_sets",),
+    ("diffrl.prompt_sets", "diffrl.selection"),
     ("diffrl.config", "diffrl.hub", "diffrl"),
 ]
 

@@ -91,3 +91,18 @@ def test_published_recipe_runs_two_steps_shrunk_to_tiny(name, tmp_path, single_t
     assert len(samples) == 2
     if is_prompt_set(str(recipe.trainer.prompts)):  # evaluations sample the set's test split, training its train split
         assert [s["prompt"] for s in samples] == load_prompt_set(recipe.trainer.prompts, "test")[0][:2]
+
+
+def test_diffrl_eval_reproduces_the_trainers_evaluation_on_a_prompt_sets_test_split(tmp_path, single_thread):
+    """The trainer, `diffrl eval` and the analysis helpers evaluate the same prompts: a set's test split."""
+    from diffrl.tools.analysis import eval_set
+
+    out = tmp_path / "run"
+    assert main(["train", "experiment=sd35m_geneval_flow_grpo", "+shrink=tiny", f"trainer.output_dir={out}", "trainer.progress=false"]) == 0
+    final = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if '"eval"' in line][-1]
+    assert main(["eval", "--run", str(out), "--out", str(tmp_path / "eval")]) == 0
+    record = json.loads((tmp_path / "eval" / "eval.json").read_text())
+    assert record["metrics"]["eval/geneval"] == pytest.approx(final["eval/geneval"], abs=1e-6)
+    assert [s["prompt"] for s in record["samples"]] == load_prompt_set("geneval", "test")[0][:2]
+    prompts, _ = eval_set(out)
+    assert prompts == load_prompt_set("geneval", "test")[0][:2]
