@@ -136,6 +136,8 @@ class ModelAdapter(abc.ABC):
             are :class:`EditPrompt` records.
         hub_components: the sub-folders of a diffusers repository the family loads; a ``model.path`` given as a
             Hub id (``org/name``) downloads only these (and ``model_index.json``), see :func:`resolve_model_path`.
+        lora_pipeline, lora_component: the diffusers pipeline whose ``load_lora_weights`` reads the family's exported
+            LoRA (``diffrl export-lora``) and the component its keys are prefixed with; ``None``: no diffusers format.
     """
 
     prediction_type: str = "flow"
@@ -145,6 +147,8 @@ class ModelAdapter(abc.ABC):
     shift: float = 1.0
     cfg_mode: str = "split"
     hub_components: tuple[str, ...] = ()
+    lora_pipeline: str | None = None
+    lora_component: str = "transformer"
     denoiser: nn.Module
 
     @abc.abstractmethod

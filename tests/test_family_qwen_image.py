@@ -259,7 +259,7 @@ def test_tiny_recipe_trains_two_steps_through_the_cli(tmp_path):
 
 def test_export_lora_loads_into_qwen_image_pipeline(tmp_path):
     """``diffrl export-lora`` writes the LoRA in the diffusers format that QwenImagePipeline.load_lora_weights reads
-    (LORA_FORMATS["qwen_image"]): the pipeline's transformer then equals the trained one."""
+    (QwenImageAdapter.lora_pipeline): the pipeline's transformer then equals the trained one."""
     from helpers import make_engine
     from omegaconf import OmegaConf
 

@@ -46,21 +46,9 @@ from diffrl.logging import main_score, save_gif, save_grid
 from diffrl.recipes import Config, ConfigError, compose
 from diffrl.sampling.evaluation import eval_prompts_and_seeds
 from diffrl.trainer import RunFolderError, worker_config
-from pipelines.base import split_prompts
+from pipelines.base import family_class, split_prompts
 from rewards.base import build_reward, call_reward
 
-# family -> (diffusers pipeline class whose LoRA loader reads the file, component name = key prefix)
-LORA_FORMATS = {
-    "digits": ("StableDiffusion3Pipeline", "transformer"),
-    "sd3": ("StableDiffusion3Pipeline", "transformer"),
-    "flux": ("FluxPipeline", "transformer"),
-    "wan": ("WanPipeline", "transformer"),
-    "sd15": ("StableDiffusionPipeline", "unet"),
-    "qwen_image": ("QwenImagePipeline", "transformer"),
-    "qwen_image_edit": ("QwenImageEditPipeline", "transformer"),
-    "flux_kontext": ("FluxKontextPipeline", "transformer"),
-    "digits_edit": ("StableDiffusion3Pipeline", "transformer"),
-}
 LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
 _GROUPS = ("experiment", "model", "algorithm", "reward", "sampler")
 
@@ -457,9 +445,10 @@ def run_export_lora(args) -> int:
     source = resolve_source(args)
     cfg = source.cfg
     family = cfg.model.family
-    if family not in LORA_FORMATS:
-        raise ValueError(f"no diffusers LoRA format is known for model family {family!r}; known: {sorted(LORA_FORMATS)}")
-    pipeline_name, prefix = LORA_FORMATS[family]
+    adapter_class = family_class(family)  # the family states its diffusers LoRA format (ModelAdapter.lora_pipeline)
+    if adapter_class.lora_pipeline is None:
+        raise ValueError(f"no diffusers LoRA format is known for model family {family!r} (its adapter sets no lora_pipeline)")
+    pipeline_name, prefix = adapter_class.lora_pipeline, adapter_class.lora_component
     weights = load_file(str(source.checkpoint / "model.safetensors"))
     if not any("lora_" in n for n in weights):
         raise ValueError(f"checkpoint {source.checkpoint} holds full fine-tuned weights (model.lora.rank=0), not a LoRA; there is no LoRA to export")

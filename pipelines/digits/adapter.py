@@ -49,6 +49,8 @@ class DigitsAdapter(ModelAdapter):
             :meth:`ModelAdapter.predict`).
     """
 
+    lora_pipeline = "StableDiffusion3Pipeline"  # an SD3Transformer2DModel: diffusers' SD3 LoRA loader reads its export
+
     prediction_type = "flow"
     shift = 1.0
     lora_target_modules = [

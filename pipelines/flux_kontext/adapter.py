@@ -53,6 +53,7 @@ class FluxKontextAdapter(FluxAdapter):
 
     family = "FLUX-Kontext"
     pipeline_class = "FluxKontextPipeline"
+    lora_pipeline = pipeline_class
     editing = True
 
     def __init__(

@@ -227,6 +227,7 @@ class QwenImageAdapter(LatentFlowFamily):
 
     family = "Qwen-Image"
     pipeline_class = "QwenImagePipeline"
+    lora_pipeline = pipeline_class
     text_encoder_names = ("text_encoder",)
     tokenizer_names = ("tokenizer",)
     # the joint attention of every block: image-stream and text-stream (context) projections

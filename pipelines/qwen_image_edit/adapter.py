@@ -120,6 +120,7 @@ class QwenImageEditAdapter(QwenImageAdapter):
 
     family = "Qwen-Image-Edit"
     pipeline_class = "QwenImageEditPipeline"
+    lora_pipeline = pipeline_class
     editing = True
 
     def __init__(

@@ -102,6 +102,7 @@ class SD15Adapter(DDPMSchedule, ModelAdapter):
     """
 
     hub_components = COMPONENTS
+    lora_pipeline, lora_component = "StableDiffusionPipeline", "unet"
 
     prediction_type = "epsilon"
     lora_target_modules = ["to_q", "to_k", "to_v", "to_out.0"]

@@ -134,6 +134,7 @@ class SD3Adapter(LatentFlowFamily):
 
     family = "SD3"
     pipeline_class = "StableDiffusion3Pipeline"
+    lora_pipeline = pipeline_class
     text_encoder_names = ("text_encoder", "text_encoder_2", "text_encoder_3")
     tokenizer_names = ("tokenizer", "tokenizer_2", "tokenizer_3")
     lora_target_modules = [

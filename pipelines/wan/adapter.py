@@ -151,6 +151,7 @@ class WanAdapter(LatentFlowFamily):
 
     family = "Wan"
     pipeline_class = "WanPipeline"
+    lora_pipeline = pipeline_class
     text_encoder_names = ("text_encoder",)
     tokenizer_names = ("tokenizer",)
     # self- and cross-attention projections of every block (diffusers' Wan LoRA training targets)
