@@ -290,6 +290,7 @@ def measure(args, label: str, compile_on: bool, results: dict):
         compile_scope="model" if "whole" in label else args.scope, compile_mode="reduce-overhead" if "graphs" in label else args.mode, compile_cache_dir=args.cache_dir,
         activation_checkpointing=args.ckpt_every > 0, checkpoint_every=max(1, args.ckpt_every),
         fuse_lora_rollout="fuse" in label, compile_vae="novae" not in label,
+        rollout_precision="fp8" if "fp8" in label else "model",  # FP8 rollouts (diffrl.engine.fp8); max_abs_dlogp is then |Δ log p| FP8 vs bf16
     )
     settings = SamplerConfig(num_steps=args.steps, kind="flow_sde", noise_level=0.7, guidance_scale=args.cfg, height=s["height"], width=s["width"])
     engine = DiffusionEngine(adapter, model=model, optim=OptimConfig(lr=1e-5), sampler=settings, micro_batch_size=args.micro_batch)
@@ -498,7 +499,9 @@ def main(argv=None):
     p.add_argument("--variants", default="eager,compiled", help="comma list of reference (the family's eager diffusers pipeline, no LoRA), "
                    "eager, compiled and their variants; a one-character suffix (_b, _c) makes another pair, measured in turn; a label holding "
                    "'fuse' folds LoRA into the weights for the rollout (model.fuse_lora_rollout), 'novae' leaves the VAE decoder "
-                   "uncompiled (model.compile_vae=false), 'graphs' replays CUDA graphs (reduce-overhead), 'whole' compiles the whole model; e.g. eager,compiled,compiled_fuse")
+                   "uncompiled (model.compile_vae=false), 'graphs' replays CUDA graphs (reduce-overhead), 'whole' compiles the whole model, "
+                   "'fp8' samples with FP8 linear layers (model.rollout_precision=fp8; max_abs_dlogp is then the FP8-vs-bf16 |Δ log p|); "
+                   "e.g. eager,compiled,compiled_fuse,compiled_fuse_fp8")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default=None, help="default bfloat16 on CUDA, float32 on a CPU")
     p.add_argument("--out", required=True)

@@ -113,7 +113,8 @@ class LoraConfig:
 
 @dataclass
 class ModelConfig:
-    CHECKS: ClassVar[dict[str, Check]] = {"dtype": one_of(*DTYPES), "checkpoint_every": at_least(1), "compile_mode": one_of(*COMPILE_MODES), "compile_scope": one_of("model", "blocks")}
+    CHECKS: ClassVar[dict[str, Check]] = {"dtype": one_of(*DTYPES), "checkpoint_every": at_least(1), "compile_mode": one_of(*COMPILE_MODES), "compile_scope": one_of("model", "blocks"),
+                                          "rollout_precision": one_of("model", "fp8"), "rollout_fp8_kernel": one_of("auto", "emulate", "scaled_mm")}
     family: str = "digits"
     """model family (pipelines/<family>)"""
     path: Optional[str] = None
@@ -148,6 +149,13 @@ class ModelConfig:
     """inductor's cache directory (compiled kernels, FX graphs), so that a restart does not recompile; null: torch's default (/tmp)"""
     compile_vae: bool = True
     """with model.compile: also compile the VAE decoder of latent families (AutoencoderKL: SD3, FLUX; default mode), which decodes every rollout"""
+    rollout_precision: str = "model"
+    """model: rollouts in model.dtype | fp8: the denoiser's linear layers in float8 e4m3 with rowwise scales during rollouts
+    (diffrl.engine.fp8; training and evaluations stay in model.dtype, and the loss corrects the rollout's policy mismatch
+    with truncated importance weights, algorithm.rollout_is_cap)"""
+    rollout_fp8_kernel: str = "auto"
+    """with rollout_precision=fp8: scaled_mm (torch._scaled_mm, FP8 tensor cores) | emulate (quantise, dequantise, float32
+    matmul: the same numbers anywhere) | auto (scaled_mm on CUDA compute capability ≥ 8.9, else emulate)"""
     fuse_lora_rollout: bool = False
     """fold the active LoRA into the base weights during rollouts (one matmul per layer instead of three; exact restore after; costs one copy of the LoRA-targeted weights; rollout log-probs then differ from training's by the fused weights' rounding; with trainer.num_workers > 1 only on rollout replicas)"""
 

@@ -191,10 +191,15 @@ class Trainer:
         self.algorithm = build_algorithm(cfg.algorithm, run)
         self.algorithm.validate(int(t.num_workers))
         objective = self.algorithm.objective()
+        self.corrects_rollouts = bool(getattr(objective, "rollout_correction", False))  # its loss reads behaviour log-probs
         if t.max_staleness and not getattr(objective, "rollout_correction", False):
             used = " ".join(filter(None, [self.algorithm.name, getattr(objective, "loss_name", None)]))
             raise ValueError(f"trainer.max_staleness={t.max_staleness} needs a loss that corrects off-policy rollouts (algorithm.trainer=policy_gradient "
                              f"with algorithm.loss=flow_grpo or ddpo), not {used}; set trainer.max_staleness=0")
+        if cfg.model.rollout_precision != "model" and getattr(objective, "loss_name", None) and not getattr(objective, "rollout_correction", False):
+            raise ValueError(f"model.rollout_precision={cfg.model.rollout_precision} samples with another policy than the trained one, and "
+                             f"{self.algorithm.name}'s loss {objective.loss_name} does not correct that (its log-probs need truncated importance "
+                             "weights: flow_grpo or ddpo); set model.rollout_precision=model")
         if t.rollout_replicas and cfg.model.lora.rank == 0 and self.algorithm.needs_old_policy:
             raise ValueError(f"trainer.rollout_replicas={t.rollout_replicas} with full fine-tuning (model.lora.rank=0) cannot sync {self.algorithm.name}'s "
                              "old policy (a frozen copy on the actor); train a LoRA or set trainer.rollout_replicas=0")
@@ -578,6 +583,8 @@ class Trainer:
                     record[f"{key}_mean"] = value.mean().item()
             if self.replicas is not None:
                 record.update(self.behaviour_versions(traj, step, times))
+            elif self.cfg.model.rollout_precision != "model" and self.corrects_rollouts:
+                self.mark_proximal(traj, times)  # FP8 rollouts: the behaviour policy is the FP8 one
         start = time.perf_counter()
         result = self.algorithm.update(self.workers, traj, scores, step)
         t = self.cfg.trainer
@@ -692,13 +699,21 @@ class Trainer:
         oldest = int(versions.min())
         if oldest > step:
             raise RuntimeError(f"step {step + 1}'s trajectories carry weights version {oldest}, newer than the actor's {step}")
-        if oldest < step and self.algorithm.optimizer_steps_per_rl_step() == 1:
-            traj["proximal_is_current"] = torch.ones(traj.shape[0], dtype=torch.bool)
-        elif oldest < step:
-            start = time.perf_counter()
-            traj["prox_log_probs"] = self.workers.infer_actor_batch(traj.exclude("metrics"))["log_probs"]
-            times["time/proximal"] = time.perf_counter() - start
+        if oldest < step or (self.cfg.model.rollout_precision != "model" and self.corrects_rollouts):
+            self.mark_proximal(traj, times)
         return {"weights_version": oldest, "staleness": float(step - versions.float().mean())}
+
+    def mark_proximal(self, traj: TensorDict, times: dict) -> None:
+        """The trajectories come from another policy than the trained one (stale replica weights, FP8 rollouts): mark the
+        trained policy as the proximal policy of the loss's truncated importance weights. An update of one optimizer step
+        scores with the weights it starts from (``proximal_is_current``); several need the actor's log-probs before the
+        first one (``prox_log_probs``, one more forward pass)."""
+        if self.algorithm.optimizer_steps_per_rl_step() == 1:
+            traj["proximal_is_current"] = torch.ones(traj.shape[0], dtype=torch.bool)
+            return
+        start = time.perf_counter()
+        traj["prox_log_probs"] = self.workers.infer_actor_batch(traj.exclude("metrics"))["log_probs"]
+        times["time/proximal"] = time.perf_counter() - start
 
     def throughput(self, record: dict, times: dict) -> dict:
         """images/s per worker of the rollout and, where the device's peak is known, MFU of the rollout

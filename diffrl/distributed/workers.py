@@ -210,7 +210,8 @@ class ActorRolloutRefWorker(TrainingWorker):
         policy = get_flag(data, "policy", "current")
         if policy not in ("current", "old", "ema"):
             raise ValueError(f"generate_sequences: policy must be 'current', 'old' or 'ema', got {policy!r}")
-        with self.engine.policy(policy), torch.no_grad(), self.engine.rollout_weights():
+        evaluation = bool(get_flag(data, "eval_num_steps"))  # evaluations sample the model-precision policy
+        with self.engine.policy(policy), torch.no_grad(), self.engine.rollout_weights(low_precision=not evaluation):
             td = self._sample(data, prompts)
         td.set_non_tensor("metrics", {"rollout_seconds": time.perf_counter() - start, "weights_version": self.weights_version})
         return td

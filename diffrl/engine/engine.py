@@ -23,7 +23,7 @@ import torch
 from tensordict import TensorDict
 
 from diffrl.config import ModelConfig, OptimConfig, SamplerConfig
-from diffrl.engine import lora, memory, parallel
+from diffrl.engine import fp8, lora, memory, parallel
 from diffrl.sampling.sde import is_deterministic, run_step
 
 
@@ -197,15 +197,22 @@ class DiffusionEngine:
         under FSDP2 a collective that every rank must call."""
         return {n: parallel.full_tensor(p.detach()) for n, p in self.module.named_parameters() if p.requires_grad}
 
-    def rollout_weights(self):
+    def rollout_weights(self, low_precision: bool = True):
         """Context for gradient-free sampling: with ``model.fuse_lora_rollout`` the active LoRA adapter folded into the
-        base weights (:class:`diffrl.engine.lora.FusedWeights`), otherwise nothing. FSDP2-sharded weights cannot be
-        fused: sharded actor ranks sample unfused (with rollout replicas they only evaluate; without replicas the trainer
-        refuses the setting before any work, ``trainer.check_sizes``)."""
+        base weights (:class:`diffrl.engine.lora.FusedWeights`); then, with ``model.rollout_precision=fp8`` and
+        ``low_precision`` (rollouts, not evaluations), the linear layers in FP8 (:func:`diffrl.engine.fp8.fp8_linears`).
+        FSDP2-sharded weights cannot be fused: sharded actor ranks sample unfused (with rollout replicas they only
+        evaluate; without replicas the trainer refuses the setting before any work, ``trainer.check_sizes``)."""
         self.initialize()
-        if self._fused is None or self.sharded:
-            return contextlib.nullcontext()
-        return self._fused.fused()
+        stack = contextlib.ExitStack()
+        if self._fused is not None and not self.sharded:
+            stack.enter_context(self._fused.fused())
+        if low_precision and self.model.rollout_precision == "fp8":
+            if self.sharded:
+                raise ValueError("model.rollout_precision=fp8 quantises whole weights; sharded (FSDP2) actor ranks cannot sample in FP8: "
+                                 "use rollout replicas (trainer.rollout_replicas ≥ 1) or trainer.num_workers=1")
+            stack.enter_context(fp8.fp8_linears(self.module, self.model.rollout_fp8_kernel))
+        return stack
 
     @contextlib.contextmanager
     def reference(self):

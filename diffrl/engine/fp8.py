@@ -1,0 +1,103 @@
+"""FP8 rollouts: the denoiser's linear layers in float8 (e4m3) for gradient-free sampling, training in the model's dtype.
+
+Recipe (rowwise, as torchao's float8 "rowwise" and ``torch._scaled_mm``'s rowwise mode): each weight row (output
+channel) and each activation row (token) gets its own scale ``s = amax(|row|) / 448`` (448 = e4m3's largest finite
+value); the operand is stored as ``q = e4m3(x / s)`` (round to nearest, saturated at ±448) and the product is
+``y = (q_x · s_x) @ (q_w · s_w)ᵀ + b``, accumulated in float32 and returned in the input's dtype.
+
+Two kernels compute it: ``scaled_mm`` (``torch._scaled_mm`` with rowwise scales: FP8 tensor cores on an H100/H200, and
+torch's CPU implementation) and ``emulate`` (the same quantised operands dequantised and multiplied in float32: exactly
+the formula, on any device). ``auto`` takes ``scaled_mm`` on a CUDA device of compute capability ≥ 8.9, else ``emulate``.
+
+The rollout then samples from a slightly different policy than the one trained (the FP8 one): the trainer marks the
+trained policy as the proximal policy of the loss's truncated importance weights (``trainer.py``, the same correction
+as stale rollout replicas), so the update stays on-policy for the model-precision policy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+E4M3_MAX = 448.0
+FP8 = torch.float8_e4m3fn
+KERNELS = ("auto", "emulate", "scaled_mm")
+
+
+def rowwise_scale(x: torch.Tensor) -> torch.Tensor:
+    """``amax(|x|) / 448`` over the last dimension, float32 ``[..., 1]`` (a zero row gets scale 1)."""
+    amax = x.detach().abs().amax(dim=-1, keepdim=True).float()
+    return torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``e4m3(x / scale)``, saturated at ±448 (float8 ``[...]``)."""
+    return (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(FP8)
+
+
+def fp8_linear(x: torch.Tensor, weight_q: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None, kernel: str) -> torch.Tensor:
+    """``x @ Wᵀ + b`` with both operands in e4m3 and rowwise scales (module docstring).
+
+    Args:
+        x: ``[..., in]`` activations (any float dtype); the output has its dtype.
+        weight_q: ``[out, in]`` float8 weight; weight_scale: ``[out, 1]`` float32.
+        kernel: ``emulate`` or ``scaled_mm``.
+    """
+    rows = x.reshape(-1, x.shape[-1])
+    x_scale = rowwise_scale(rows)
+    x_q = quantize(rows, x_scale)
+    if kernel == "scaled_mm":
+        out = torch._scaled_mm(x_q, weight_q.t(), scale_a=x_scale, scale_b=weight_scale.t(), out_dtype=torch.float32)
+    else:
+        out = (x_q.float() * x_scale) @ (weight_q.float() * weight_scale).t()
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype).reshape(*x.shape[:-1], weight_q.shape[0])
+
+
+def pick_kernel(kernel: str, device: torch.device) -> str:
+    if kernel not in KERNELS:
+        raise ValueError(f"model.rollout_fp8_kernel={kernel!r} is invalid: it must be one of {', '.join(KERNELS)}")
+    if kernel != "auto":
+        return kernel
+    fast = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+    return "scaled_mm" if fast else "emulate"
+
+
+def fp8_layers(module: nn.Module) -> list[nn.Linear]:
+    """The linear layers of ``module`` that run in FP8: every ``nn.Linear`` but LoRA's own thin ``lora_A``/``lora_B``
+    (a LoRA layer's base weight, fused or not, is one of them)."""
+    out = []
+    for name, layer in module.named_modules():
+        parts = name.split(".")
+        if isinstance(layer, nn.Linear) and not any(p.startswith("lora_") for p in parts) and layer.weight.dim() == 2:
+            out.append(layer)
+    return out
+
+
+@contextlib.contextmanager
+def fp8_linears(module: nn.Module, kernel: str = "auto") -> Iterator[int]:
+    """Run ``module``'s linear layers (:func:`fp8_layers`) in FP8 inside the context (gradient-free calls only); the
+    weights are quantised on entry, from their current values (a fused LoRA included), and every layer's own forward
+    is restored on exit. Yields the number of layers."""
+    if torch.is_grad_enabled():
+        raise RuntimeError("FP8 rollouts are for gradient-free calls (rollouts) only; run them under torch.no_grad()")
+    layers = fp8_layers(module)
+    chosen = pick_kernel(kernel, layers[0].weight.device) if layers else "emulate"
+    try:
+        for layer in layers:
+            w = layer.weight.detach()
+            scale = rowwise_scale(w)
+            q, b = quantize(w, scale), layer.bias
+
+            def forward(x, q=q, scale=scale, b=b):
+                return fp8_linear(x, q, scale, b, chosen)
+
+            layer.forward = forward  # an instance attribute shadows the class's forward until it is deleted
+        yield len(layers)
+    finally:
+        for layer in layers:
+            layer.__dict__.pop("forward", None)
