@@ -59,6 +59,7 @@ from diffrl.sampling.rollout import sample_trajectories  # noqa: E402
 from diffrl.sampling.seeding import Stream, derive  # noqa: E402
 from pipelines import build_adapter  # noqa: E402
 from pipelines.shapes import SHAPES  # noqa: E402
+from rewards.base import build_reward, score  # noqa: E402
 
 # per shape: family, image size, CFG scale, LoRA targets beyond attention; tiny_* are CPU smoke tests
 QWEN_MLP = ["img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2"]
@@ -144,8 +145,9 @@ def window_mask(k: int, window: int, lo: int, hi: int, rng: torch.Generator) -> 
     return mask
 
 
-def rollout(adapter, settings, prompts, group, seed, window, window_range, micro):
-    """One Flow-GRPO-Fast rollout: groups of ``group`` images per prompt sharing their initial noise."""
+def rollout(adapter, settings, prompts, group, seed, window, window_range, micro, reward=None):
+    """One Flow-GRPO-Fast rollout: groups of ``group`` images per prompt sharing their initial noise, scored by
+    ``reward`` (``(name, fn)``: a registered reward, its seconds in ``td["reward_seconds"]``; ``None``: brightness)."""
     adapter.denoiser.eval()
     rng = torch.Generator().manual_seed(seed)
     mask = window_mask(settings.num_steps, window, *window_range, rng) if window else None
@@ -154,7 +156,14 @@ def rollout(adapter, settings, prompts, group, seed, window, window_range, micro
     init = [derive(seed, Stream.ROLLOUT, 0, i // group, 1) for i in range(len(flat))]
     gid = torch.arange(len(flat)) // group
     td = sample_trajectories(adapter, flat, settings=settings, seeds=seeds, sde_mask=mask, init_seeds=init, group_id=gid, micro_batch_size=micro)
-    rewards = td["images"].float().mean(dim=tuple(range(1, td["images"].ndim))) / 255.0  # brightness: a cheap stand-in reward
+    if reward is None:
+        rewards = td["images"].float().mean(dim=tuple(range(1, td["images"].ndim))) / 255.0  # brightness: a cheap stand-in reward
+    else:  # a real reward's work in the loop; the OCR reward reads its targets from the metadata (the prompts quote none)
+        name, fn = reward
+        start = time.perf_counter()
+        metadata = [{"text": f"SIGN {i // group}"} for i in range(len(flat))]
+        rewards = score({name: (fn, 1.0)}, td["images"], flat, metadata)["rewards"].float()
+        td.set_non_tensor("reward_seconds", time.perf_counter() - start)
     td["rewards"] = rewards
     td["advantages"] = group_advantages(rewards, td["group_id"])
     return td
@@ -300,9 +309,17 @@ def measure(args, label: str, compile_on: bool, results: dict):
     r["init_s"] = time.perf_counter() - t1
     print(f"[{label}] {r['n_text_tokens']} text tokens; LoRA attached ({sum(p.numel() for p in engine.trainable_parameters()) / 1e6:.0f} M) in {r['init_s']:.1f} s", flush=True)
     loss_fn = make_step_loss("flow_grpo", clip_range=1e-4)
+    reward = None if args.reward == "brightness" else (args.reward, build_reward(args.reward))
+    r["reward"] = args.reward
+
+    reward_times = []
+
     def roll(i):
         with torch.no_grad(), engine.rollout_weights():
-            return rollout(adapter, settings, prompts, args.group, args.seed + i, args.window, args.window_range, args.rollout_micro)
+            td = rollout(adapter, settings, prompts, args.group, args.seed + i, args.window, args.window_range, args.rollout_micro, reward)
+        if reward is not None:
+            reward_times.append(td.get_non_tensor("reward_seconds"))
+        return td
 
 
     t1 = time.perf_counter()
@@ -358,6 +375,8 @@ def measure(args, label: str, compile_on: bool, results: dict):
                 times = timed(lambda i=[1]: (i.__setitem__(0, i[0] + 1), engine.train_batch(roll(100 + i[0]), loss_fn)), device, args.e2e_iters)
             r["e2e_iteration_s"] = median(times)
             r["e2e_images_per_s"] = args.batch / r["e2e_iteration_s"]
+            if reward_times:  # the reward's share of an end-to-end iteration
+                r["e2e_reward_s"] = median(reward_times[-args.e2e_iters:])
             r["e2e_mfu_executed"] = (rollout_flops + train_flops) / r["e2e_iteration_s"] / peak
             print(f"[{label}] end to end {r['e2e_images_per_s']:.3f} images/s (MFU {r['e2e_mfu_executed']:.3f}); memory {mem.phases}", flush=True)
     r["peak_gb"] = max((p["peak_gb"] for p in mem.phases.values()), default=None)
@@ -527,6 +546,8 @@ def main(argv=None):
     p.add_argument("--decode-chunk", type=int, default=8)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--e2e-iters", type=int, default=2)
+    p.add_argument("--reward", default="brightness", help="the end-to-end loop's reward: brightness (a free stand-in) or a registered "
+                   "reward run in the loop, e.g. ocr (PP-OCRv4 via onnxruntime on the CPU cores; targets 'SIGN <prompt index>')")
     p.add_argument("--peak-tflops", type=float, default=None, help="bf16 matmul rate the MFU divides by (default: measured here)")
     p.add_argument("--logp-tol", type=float, default=None)
     p.add_argument("--sdpa", default="cudnn", choices=["cudnn", "flash", "default"])

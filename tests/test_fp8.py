@@ -108,3 +108,19 @@ def test_the_scale_benchmark_measures_fp8_rollouts(tmp_path):
     assert "error" not in model and "error" not in low
     assert model["max_abs_dlogp"] <= 1e-6 < low["max_abs_dlogp"] < 1.0
     assert low["rollout_images_per_s"] > 0
+
+
+def test_the_scale_benchmark_runs_a_real_reward_in_the_loop(tmp_path):
+    """``--reward ocr`` (issue 38 item 2): the end-to-end loop scores with PP-OCRv4 on the CPU cores instead of the free
+    brightness stand-in, and reports the reward's seconds per iteration."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from gpu_scale import main as scale
+
+    out = scale(["--shape", "tiny_sd3", "--variants", "eager", "--device", "cpu", "--batch", "4", "--group", "2", "--micro-batch", "2",
+                 "--steps", "4", "--window-range", "0", "3", "--repeats", "1", "--e2e-iters", "1", "--rank", "4", "--alpha", "8",
+                 "--reward", "ocr", "--out", str(tmp_path / "ocr.json")])
+    run = out["variants"]["eager"]
+    assert "error" not in run and run["reward"] == "ocr" and 0 < run["e2e_reward_s"] < run["e2e_iteration_s"]

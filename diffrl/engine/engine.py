@@ -204,15 +204,20 @@ class DiffusionEngine:
         FSDP2-sharded weights cannot be fused: sharded actor ranks sample unfused (with rollout replicas they only
         evaluate; without replicas the trainer refuses the setting before any work, ``trainer.check_sizes``)."""
         self.initialize()
-        stack = contextlib.ExitStack()
-        if self._fused is not None and not self.sharded:
-            stack.enter_context(self._fused.fused())
-        if low_precision and self.model.rollout_precision == "fp8":
-            if self.sharded:
-                raise ValueError("model.rollout_precision=fp8 quantises whole weights; sharded (FSDP2) actor ranks cannot sample in FP8: "
-                                 "use rollout replicas (trainer.rollout_replicas ≥ 1) or trainer.num_workers=1")
-            stack.enter_context(fp8.fp8_linears(self.module, self.model.rollout_fp8_kernel))
-        return stack
+        low = low_precision and self.model.rollout_precision == "fp8"
+        if low and self.sharded:
+            raise ValueError("model.rollout_precision=fp8 quantises whole weights; sharded (FSDP2) actor ranks cannot sample in FP8: "
+                             "use rollout replicas (trainer.rollout_replicas ≥ 1) or trainer.num_workers=1")
+        return self._rollout_context(low)
+
+    @contextlib.contextmanager
+    def _rollout_context(self, low_precision: bool):
+        with contextlib.ExitStack() as stack:  # entered by the caller's with-statement (inside its no_grad)
+            if self._fused is not None and not self.sharded:
+                stack.enter_context(self._fused.fused())
+            if low_precision:
+                stack.enter_context(fp8.fp8_linears(self.module, self.model.rollout_fp8_kernel))
+            yield
 
     @contextlib.contextmanager
     def reference(self):
