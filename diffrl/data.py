@@ -68,9 +68,15 @@ def run_prompts(trainer) -> tuple[list | None, list | None, dict[str, dict]]:
         table = {**table, **eval_table}
     else:
         eval_prompts = prompts
-    if eval_prompts is not None and trainer.eval_num_prompts:
-        eval_prompts = eval_prompts[: int(trainer.eval_num_prompts)]
-    return prompts, eval_prompts, table
+    return prompts, eval_subset(eval_prompts, trainer), table
+
+
+def eval_subset(prompts: list | None, trainer) -> list | None:
+    """The evaluation prompts of ``prompts`` (a run's, or the family's built-in ones): the first
+    ``trainer.eval_num_prompts`` of them when set, else all."""
+    if prompts is None or not trainer.eval_num_prompts:
+        return prompts
+    return prompts[: int(trainer.eval_num_prompts)]
 
 
 def sample_metadata(prompts: list[str], table: dict[str, dict], **shared) -> list[dict] | dict:

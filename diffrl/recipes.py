@@ -105,16 +105,12 @@ def _groups() -> list[str]:
 def _groups_with(key: str) -> list[str]:
     """The algorithm groups (configs/algorithm/*.yaml) whose class declares ``key``."""
     owners = {name for name, cls in ALGORITHMS.items() if key in {f.name for f in dataclasses.fields(cls.Config)}}
-    groups = []
-    for path in sorted((CONFIG_DIR / "algorithm").glob("*.yaml")):
-        match = re.search(r"^\s*-\s*schema_(\w+)", path.read_text(), re.M)
-        if match and match.group(1) in owners:
-            groups.append(path.stem)
-    return groups
+    schemas = {g: re.search(r"^\s*-\s*schema_(\w+)", (CONFIG_DIR / "algorithm" / f"{g}.yaml").read_text(), re.M) for g in _groups()}
+    return [g for g, match in schemas.items() if match and match.group(1) in owners]
 
 
-def _valid_keys(dotted_parent: str, trainer: str = "policy_gradient") -> list[str]:
-    node: Any = schema(trainer)
+def _valid_keys(dotted_parent: str) -> list[str]:
+    node: Any = schema()
     for part in [p for p in dotted_parent.split(".") if p]:
         node = node.get(part) if isinstance(node, DictConfig) else None
     return sorted(node.keys()) if isinstance(node, DictConfig) else []

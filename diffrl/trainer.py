@@ -34,7 +34,7 @@ from tensordict import NonTensorStack, TensorDict
 
 from diffrl import checkpoint
 from diffrl.algorithms import Algorithm, RunContext, build_algorithm
-from diffrl.data import check_edit_prompts, run_prompts, sample_metadata, step_prompts
+from diffrl.data import check_edit_prompts, eval_subset, run_prompts, sample_metadata, step_prompts
 from diffrl.distributed import WorkerGroup, WorkerLostError, build_worker_group
 from diffrl.distributed.rollout import RolloutReplicas
 from diffrl.distributed.workers import ActorRolloutRefWorker, WorkerConfig
@@ -191,12 +191,13 @@ class Trainer:
         self.algorithm = build_algorithm(cfg.algorithm, run)
         self.algorithm.validate(int(t.num_workers))
         objective = self.algorithm.objective()
-        self.corrects_rollouts = bool(getattr(objective, "rollout_correction", False))  # its loss reads behaviour log-probs
-        if t.max_staleness and not getattr(objective, "rollout_correction", False):
+        corrects = bool(getattr(objective, "rollout_correction", False))  # its loss weights behaviour log-probs by truncated IS
+        self.low_precision_rollouts = cfg.model.rollout_precision != "model" and corrects  # FP8 rollouts: another behaviour policy
+        if t.max_staleness and not corrects:
             used = " ".join(filter(None, [self.algorithm.name, getattr(objective, "loss_name", None)]))
             raise ValueError(f"trainer.max_staleness={t.max_staleness} needs a loss that corrects off-policy rollouts (algorithm.trainer=policy_gradient "
                              f"with algorithm.loss=flow_grpo or ddpo), not {used}; set trainer.max_staleness=0")
-        if cfg.model.rollout_precision != "model" and getattr(objective, "loss_name", None) and not getattr(objective, "rollout_correction", False):
+        if cfg.model.rollout_precision != "model" and getattr(objective, "loss_name", None) and not corrects:
             raise ValueError(f"model.rollout_precision={cfg.model.rollout_precision} samples with another policy than the trained one, and "
                              f"{self.algorithm.name}'s loss {objective.loss_name} does not correct that (its log-probs need truncated importance "
                              "weights: flow_grpo or ddpo); set model.rollout_precision=model")
@@ -220,7 +221,6 @@ class Trainer:
             self.eval_prompts = check_edit_prompts(self.eval_prompts, cfg.model.family, cfg.sampler)
         options = cfg.reward.options  # rewards before the model: a reward that cannot be built (a server down) costs nothing
         self.rewards = {name: (build_reward(name, **options.get(name, {})), w) for name, w in run.reward_weights.items()}
-        self.reward_weights = dict(run.reward_weights)
         self.eval_metrics = {name: fn for name, (fn, _) in self.rewards.items()}
         self.gold_name = cfg.reward.gold
         if self.gold_name:
@@ -235,7 +235,7 @@ class Trainer:
             self.prompts = self.workers.default_prompts()
             if self.prompts:
                 self.prompts = check_edit_prompts(self.prompts, cfg.model.family, cfg.sampler)
-            self.eval_prompts = self.prompts[: t.eval_num_prompts or None] if self.prompts else self.prompts
+            self.eval_prompts = eval_subset(self.prompts, t)
         if not self.prompts:
             raise ValueError(f"model family {cfg.model.family!r} has no built-in prompts; set trainer.prompts=<file>")
 
@@ -430,7 +430,7 @@ class Trainer:
             (self.output_dir / "metrics.jsonl").unlink(missing_ok=True)
             self.restart_from_scratch = False
         start_step, before, last_eval = self._resume() if self.resume_path else (0, None, None)
-        self.selection, self.stopped_early = Selection(t.select_by, int(t.stop_when_diverging), self.reward_weights), None
+        self.selection, self.stopped_early = Selection(t.select_by, int(t.stop_when_diverging), {n: w for n, (_, w) in self.rewards.items()}), None
         if start_step:  # a resume replays the evaluations it keeps: the same best and the same history
             for record in read_jsonl(self.output_dir / "metrics.jsonl"):
                 if record.get("kind") == "eval":
@@ -497,9 +497,13 @@ class Trainer:
         checkpoint.write_json_atomic(self.output_dir / "summary.json", summary)
         return summary
 
+    def _checkpoint_path(self, step: int) -> Path | None:
+        """Where the checkpoint of ``step`` is (``None`` for step 0: the base model has none)."""
+        return self.output_dir / "checkpoints" / f"step_{step:06d}" if step > 0 else None
+
     def _save_checkpoint(self, step: int) -> Path:
         """The checkpoint at ``step`` (written unless it exists: a selected step is also a periodic one)."""
-        path = self.output_dir / "checkpoints" / f"step_{step:06d}"
+        path = self._checkpoint_path(step)
         if path.is_dir():
             return path
         return Path(self.workers.save_checkpoint(self.output_dir / "checkpoints", global_step=step, extra_state=self.trainer_state()))
@@ -520,8 +524,9 @@ class Trainer:
             return False
         self._save_checkpoint(step)
         best = self.selection.best
+        path = self._checkpoint_path(best["step"])
         self.stopped_early = {"step": step, "reason": self.selection.stop_message(), "best_step": best["step"], "best_value": best["value"],
-                              "checkpoint": str(self.output_dir / "checkpoints" / f"step_{best['step']:06d}") if best["step"] > 0 else None}
+                              "checkpoint": str(path) if path else None}
         progress.write(self.selection.stop_message())
         return True
 
@@ -583,7 +588,7 @@ class Trainer:
                     record[f"{key}_mean"] = value.mean().item()
             if self.replicas is not None:
                 record.update(self.behaviour_versions(traj, step, times))
-            elif self.cfg.model.rollout_precision != "model" and self.corrects_rollouts:
+            elif self.low_precision_rollouts:
                 self.mark_proximal(traj, times)  # FP8 rollouts: the behaviour policy is the FP8 one
         start = time.perf_counter()
         result = self.algorithm.update(self.workers, traj, scores, step)
@@ -699,7 +704,7 @@ class Trainer:
         oldest = int(versions.min())
         if oldest > step:
             raise RuntimeError(f"step {step + 1}'s trajectories carry weights version {oldest}, newer than the actor's {step}")
-        if oldest < step or (self.cfg.model.rollout_precision != "model" and self.corrects_rollouts):
+        if oldest < step or self.low_precision_rollouts:
             self.mark_proximal(traj, times)
         return {"weights_version": oldest, "staleness": float(step - versions.float().mean())}
 
@@ -771,8 +776,8 @@ class Trainer:
             summary["paired_change"] = paired
         summary.update(collapse_summary(before, after, self.output_dir, steps, self.gold_name, self.judge_names))
         if self.selection.best is not None:
-            best = self.selection.best
-            summary["selected"] = {**best, "checkpoint": str(self.output_dir / "checkpoints" / f"step_{best['step']:06d}") if best["step"] > 0 else None}
+            path = self._checkpoint_path(self.selection.best["step"])
+            summary["selected"] = {**self.selection.best, "checkpoint": str(path) if path else None}
         if self.stopped_early:
             summary["stopped_early"] = self.stopped_early
         return summary

@@ -364,8 +364,7 @@ class PickScore(_ClipReward):
             image_processor = CLIPImageProcessor(crop_size={"height": model.config.vision_config.image_size, "width": model.config.vision_config.image_size})
         else:
             folder = self.weights_path("checkpoint", checkpoint, "a folder with the PickScore_v1 CLIPModel (config.json + weights)")
-            if processor is None and checkpoint is not None and not is_hub_ref(checkpoint):
-                processor = checkpoint  # a local folder holding model and processor together
+            processor = self._processor(checkpoint, processor)
             proc = self.weights_path("processor", processor, "a folder with the CLIP-ViT-H-14-laion2B processor (tokenizer + preprocessor_config.json)")
             model = CLIPModel.from_pretrained(str(folder), local_files_only=True)
             try:
@@ -388,10 +387,18 @@ class PickScore(_ClipReward):
     @classmethod
     def weight_refs(cls, options: dict) -> dict[str, Weights]:
         refs = super().weight_refs(options)
-        checkpoint = options.get("checkpoint")
-        if options.get("processor") is None and checkpoint is not None and not is_hub_ref(checkpoint):
-            refs.pop("processor", None)  # the local checkpoint folder holds the processor (see __init__)
+        processor = cls._processor(options.get("checkpoint"), options.get("processor"))
+        if processor is not None and not is_hub_ref(processor):
+            refs.pop("processor", None)  # a local folder: nothing to fetch
         return refs
+
+    @staticmethod
+    def _processor(checkpoint: str | None, processor: str | None) -> str | None:
+        """The processor option in force: the given one; else a local checkpoint folder, which holds model and processor
+        together; else ``None`` (the published processor, :attr:`hub_weights`)."""
+        if processor is None and checkpoint is not None and not is_hub_ref(checkpoint):
+            return checkpoint
+        return processor
 
     def preprocess(self, images: torch.Tensor) -> torch.Tensor:
         return clip_preprocess(images, self.image_size, self.crop_size, self.mean, self.std, crop_offset="floor")

@@ -28,7 +28,7 @@ import torch
 
 from diffrl import wandb_file
 from diffrl.checkpoint import list_checkpoints
-from diffrl.data import run_prompts
+from diffrl.data import eval_subset, run_prompts
 from diffrl.recipes import to_config
 from diffrl.distributed.workers import TrainingWorker
 from diffrl.logging import grid_cells, image_grid
@@ -315,7 +315,7 @@ def eval_set(run: Run | str | Path, adapter=None) -> tuple[list[str], list[int]]
         if adapter is None:
             m = run.config["model"]
             adapter = build_adapter(m["family"], path=m["path"], revision=m.get("revision"), dtype=m["dtype"], device=m["device"])
-        prompts = adapter.default_prompts()[: t.eval_num_prompts or None]
+        prompts = eval_subset(adapter.default_prompts(), t)
     return eval_prompts_and_seeds(prompts, int(t.eval_seeds_per_prompt), int(t.eval_seed))
 
 

@@ -38,7 +38,7 @@ import torch
 from safetensors.torch import load_file
 
 from diffrl.checkpoint import checkpoint_adapters, list_checkpoints, write_json_atomic
-from diffrl.data import check_edit_prompts, run_prompts, sample_metadata
+from diffrl.data import check_edit_prompts, eval_subset, run_prompts, sample_metadata
 from diffrl.data import read_prompts as read_prompt_source
 from diffrl.distributed import build_worker_group
 from diffrl.distributed.workers import ActorRolloutRefWorker
@@ -378,7 +378,7 @@ def run_eval(args) -> int:
     adapter = chosen_adapter(args, source)
     workers = build_workers(source)
     _, eval_prompts, table = run_prompts(t)  # the trainer's evaluation prompts (a set's test split, eval_num_prompts)
-    prompts = read_prompts(args, required=False) or eval_prompts or (workers.default_prompts() or [])[: t.eval_num_prompts or None]
+    prompts = read_prompts(args, required=False) or eval_prompts or eval_subset(workers.default_prompts(), t)
     if not prompts:
         raise ValueError(f"model family {cfg.model.family!r} has no built-in prompts; give --prompts, --prompt-file or trainer.prompts=<file>")
     prompts = check_edit_prompts(prompts, cfg.model.family, cfg.sampler)
