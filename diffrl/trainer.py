@@ -135,6 +135,36 @@ def check_sizes(cfg: Config | DictConfig) -> None:
         raise ValueError(f"reward.async_chunks={C} with trainer.max_staleness={k}: off-policy rollouts already overlap rewards with sampling; set reward.async_chunks=1")
 
 
+def rollout_request(cfg: Config, algorithm: Algorithm, step_prompts: list, masks, step: int) -> TensorDict:
+    """RL step ``step``'s rollout request: per-sample seeds (stream ``ROLLOUT``), groups of
+    ``trainer.group_size``, the prompts and the algorithm's :class:`~diffrl.algorithms.RolloutPlan` (for the
+    window's ``masks``) as non-tensor flags."""
+    t = cfg.trainer
+    prompts, sources = split_prompts(step_prompts)
+    G = t.group_size
+    td = TensorDict(
+        {
+            "seeds": torch.tensor([derive(t.seed, Stream.ROLLOUT, step, j, s) for j in range(len(prompts)) for s in range(G)]),
+            "group_id": torch.arange(len(prompts)).repeat_interleave(G),
+        },
+        batch_size=[len(prompts) * G],
+    )
+    td["prompts"] = NonTensorStack(*[p for p in prompts for _ in range(G)])
+    if sources is not None:
+        td["source_images"] = sources.repeat_interleave(G, dim=0)
+    if cfg.sampler.same_initial_noise:
+        td["init_seeds"] = torch.tensor([derive(t.seed, Stream.INITIAL_NOISE, step, j) for j in range(len(prompts)) for _ in range(G)])
+    plan = algorithm.rollout_plan(masks)
+    td.set_non_tensor("policy", plan.policy)
+    td.set_non_tensor("sde_mask", plan.trained)
+    td.set_non_tensor("stochastic_mask", plan.stochastic)
+    if plan.record_means:
+        td.set_non_tensor("record_means", True)
+    if cfg.sampler.micro_batch_size:
+        td.set_non_tensor("micro_batch_size", int(cfg.sampler.micro_batch_size))
+    return td
+
+
 def ema_decay(steps_done: int, decay: float) -> float:
     """``trainer.ema``'s decay after ``steps_done`` RL steps: ``min((1 + s)/(10 + s), decay)`` (flow_grpo's EMA warm-up)."""
     return min((1.0 + steps_done) / (10.0 + steps_done), float(decay))
@@ -307,32 +337,8 @@ class Trainer:
         return step_prompts(self.prompts, step, self.cfg.trainer.prompts_per_step, self.cfg.trainer.seed)
 
     def rollout_request(self, step: int) -> TensorDict:
-        """The step's rollout request: per-sample seeds (stream ``ROLLOUT``), groups, prompts and the
-        algorithm's :class:`~diffrl.algorithms.RolloutPlan` as non-tensor flags."""
-        t = self.cfg.trainer
-        prompts, sources = split_prompts(self.step_prompts(step))
-        G = t.group_size
-        td = TensorDict(
-            {
-                "seeds": torch.tensor([derive(t.seed, Stream.ROLLOUT, step, j, s) for j in range(len(prompts)) for s in range(G)]),
-                "group_id": torch.arange(len(prompts)).repeat_interleave(G),
-            },
-            batch_size=[len(prompts) * G],
-        )
-        td["prompts"] = NonTensorStack(*[p for p in prompts for _ in range(G)])
-        if sources is not None:
-            td["source_images"] = sources.repeat_interleave(G, dim=0)
-        if self.cfg.sampler.same_initial_noise:
-            td["init_seeds"] = torch.tensor([derive(t.seed, Stream.INITIAL_NOISE, step, j) for j in range(len(prompts)) for _ in range(G)])
-        plan = self.algorithm.rollout_plan(self._window_masks(step))
-        td.set_non_tensor("policy", plan.policy)
-        td.set_non_tensor("sde_mask", plan.trained)
-        td.set_non_tensor("stochastic_mask", plan.stochastic)
-        if plan.record_means:
-            td.set_non_tensor("record_means", True)
-        if self.cfg.sampler.micro_batch_size:
-            td.set_non_tensor("micro_batch_size", int(self.cfg.sampler.micro_batch_size))
-        return td
+        """The step's rollout request (:func:`rollout_request`)."""
+        return rollout_request(self.cfg, self.algorithm, self.step_prompts(step), self._window_masks(step), step)
 
     def _window_masks(self, step: int):
         """The training window's masks of RL step ``step``; a step ahead of the window (an off-policy rollout

@@ -1,0 +1,408 @@
+"""``diffrl plan``: will a recipe fit on my GPUs, and how long will a step take — answered on a CPU before renting them.
+
+The recipe is composed exactly as ``diffrl train`` composes it; its model is built at the published shape of
+``model.path`` (or ``model.options.shape``) with fake tensors (:mod:`diffrl.engine.trace`), and the run's own
+code is stepped on one rank's share of the batch: the worker is built (LoRA or full, reference/old/EMA
+adapters, optimizer), the step's prompts encoded, one rollout sampled as configured (every step, CFG mode,
+rollout micro-batches, VAE decode chunks), one training micro-batch of one trained step updated through the
+algorithm (forward, activation checkpointing, backward, the optimizer's step and states), then a second
+rollout with the optimizer state resident. Nothing is allocated; the live bytes of every phase and the FLOPs
+that ran are counted.
+
+Per rank of ``--gpus N`` (``trainer.num_workers=N`` sharding the batch; with ``model.fsdp`` the parameters,
+gradients and optimizer states are FSDP2-sharded ``1/N``, plus two blocks gathered whole for prefetch; with
+``model.param_offload`` those live on the host):
+
+* peak memory by phase and by category (weights, trainable parameters, gradients, optimizer states, other
+  adapters, VAE and text encoders, and the activations and rollout buffers above them);
+* FLOPs of one RL step (the rollout's and the update's: the traced micro-batch × micro-batches × trained
+  steps), and the seconds and images/s they take at a per-GPU MFU: the one measured on an H200 for that
+  model (:data:`MEASURED_MFU`, its source named) or ``--mfu``;
+* when the peak exceeds the budget, the cheapest change that fits (each candidate planned again), or that
+  nothing tried fits.
+
+Not counted: reward models (they may run on the GPU beside the policy: add their weights), evaluations,
+CUDA's workspaces and the caching allocator's fragmentation (the measured peaks in ``benchmarks/RESULTS.md``
+"diffrl plan against the H200 measurements" show how close the rest is).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from dataclasses import dataclass, field
+
+import torch
+from omegaconf import OmegaConf, open_dict
+
+from diffrl.algorithms import build_algorithm
+from diffrl.data import run_prompts, step_prompts
+from diffrl.distributed import build_worker_group
+from diffrl.distributed.workers import ActorRolloutRefWorker
+from diffrl.engine import trace as tracing
+from diffrl.engine.flops import DEVICE_PEAK_FLOPS
+from diffrl.recipes import compose, validate
+from diffrl.trainer import build_window, check_sizes, rollout_request, run_context, worker_config
+from pipelines.shapes import PARENT_SHAPES, SHAPES, resolve_shape
+
+GiB = 2**30
+GPUS = {  # name → (memory in GiB that torch reports as total, dense bf16 FLOP/s from diffrl.engine.flops)
+    "h100": (79.2, DEVICE_PEAK_FLOPS["H100"]),
+    "h200": (139.8, DEVICE_PEAK_FLOPS["H200"]),
+    "a100": (79.2, DEVICE_PEAK_FLOPS["A100"]),
+    "a100-40gb": (39.4, DEVICE_PEAK_FLOPS["A100"]),
+    "l40s": (44.4, DEVICE_PEAK_FLOPS["L40S"]),
+    "a10g": (22.0, DEVICE_PEAK_FLOPS["A10G"]),
+    "rtx4090": (23.6, DEVICE_PEAK_FLOPS["RTX 4090"]),
+}
+# executed MFU (FLOPs run / seconds / matmul peak measured in the run) of rollout and training, measured on one
+# H200 by benchmarks/gpu_scale.py (benchmarks/results/<source>); model.compile picks the row
+MEASURED_MFU = {
+    ("qwen_image", False): (0.452, 0.436, "gpu_scale_qwen_image_verl_omni_h200.json eager"),
+    ("qwen_image", True): (0.624, 0.651, "gpu_scale_qwen_image_verl_omni_h200.json compiled"),
+    ("flux_dev", True): (0.660, 0.704, "gpu_scale_flux_dev_h200.json compiled"),
+    ("sd35_large", True): (0.588, 0.588, "gpu_scale_sd35_large_b32_h200.json compiled"),
+    ("sd35_medium", False): (0.289, 0.273, "gpu_scale_sd35m_b32_eager_autotune_cut_h200.json eager"),
+    ("sd35_medium", True): (0.485, 0.541, "gpu_scale_sd35m_cudagraphs_rollout_only_h200.json compiled"),
+    ("wan21_14b", True): (0.680, 0.704, "gpu_scale_wan21_14b_h200.json compiled"),
+}
+ASSUMED_MFU = 0.3
+
+
+class PlanError(ValueError):
+    """Bad input to the planner (one line: the cause and the fix)."""
+
+
+def gpu_spec(gpu: str, memory_gb: float | None) -> tuple[str, float, float]:
+    """``(name, memory GiB, peak FLOP/s)`` of ``--gpu`` (``--gpu-memory-gb`` overrides the memory)."""
+    name = gpu.lower().replace("_", "-")
+    if name not in GPUS:
+        raise PlanError(f"unknown GPU {gpu!r}; choose one of {sorted(GPUS)} (or give --gpu-memory-gb and --peak-tflops with any of them)")
+    memory, peak = GPUS[name]
+    if memory_gb is not None and not memory_gb > 0:
+        raise PlanError(f"--gpu-memory-gb must be > 0, got {memory_gb}")
+    return name, float(memory_gb or memory), peak
+
+
+def shape_of(family: str, path, shape: str) -> str:
+    """The published shape a recipe plans at: ``model.options.shape``, else the shape whose Hub repo is
+    ``model.path`` (``org/name``); a path no published shape matches is a one-line error."""
+    if path is None:
+        spec = resolve_shape(family, shape)
+        return "tiny" if spec is None else spec.name
+    if Path(str(path)).expanduser().is_dir():
+        return "local"  # a local folder: built from it as the run would (its weights read under fake tensors)
+    repo = str(path).split("@")[0].rstrip("/")
+    for spec in SHAPES.values():
+        if spec.family == family and spec.source.split()[0] == repo:
+            return spec.name
+    known = sorted(s.source.split()[0] for s in SHAPES.values() if s.family == family)
+    raise PlanError(f"model.path={path} is not a published shape of family {family!r} ({known or 'none'}); plan it with "
+                    f"model.path=null +model.options.shape=<{'|'.join(['tiny', *sorted(n for n, s in SHAPES.items() if s.family == family)])}>")
+
+
+def plan_config(overrides: list[str], gpus: int):
+    """The recipe composed and validated like ``diffrl train``, set up for planning: ``trainer.num_workers=N``
+    checked against the batch, the model at its published shape on fake CPU tensors."""
+    if gpus < 1:
+        raise PlanError(f"--gpus must be ≥ 1, got {gpus}")
+    cfg = compose(overrides)
+    with open_dict(cfg):
+        cfg.trainer.num_workers = gpus
+        family = cfg.model.family
+        options = cfg.model.get("options") or {}
+        shape = shape_of(family, cfg.model.path, str(options.get("shape", "tiny")))
+        if shape != "local":
+            cfg.model.path = None
+            cfg.model.revision = None
+        if shape not in ("tiny", "local"):
+            cfg.model.options = {**OmegaConf.to_container(cfg.model.options or {}), "shape": shape}
+        cfg.model.device = "cpu"
+        cfg.trainer.backend = "local"
+    cfg = validate(cfg)
+    try:
+        check_sizes(cfg)
+    except ValueError as exc:
+        raise PlanError(f"{exc} (planning --gpus {gpus})") from None
+    return cfg, shape
+
+
+@dataclass
+class Trace:
+    """One rank's traced step: phases (peak/after bytes, FLOPs), static bytes by category, the FLOPs of the
+    step's rollout and update, the largest FSDP block's parameter bytes."""
+
+    phases: dict
+    categories: dict
+    rollout_flops: float
+    train_flops: float
+    block_bytes: int
+    images_per_rank: int
+    trace_s: float
+    notes: list = field(default_factory=list)
+
+
+def _param_bytes(module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters()) if module is not None else 0
+
+
+def _categories(worker) -> dict:
+    engine = worker.engine
+    adapter = engine.adapter
+    denoiser = adapter.denoiser
+    frozen = trainable = other_adapters = 0
+    for name, p in denoiser.named_parameters():
+        size = p.numel() * p.element_size()
+        if p.requires_grad:
+            trainable += size
+        elif "lora_" in name:
+            other_adapters += size
+        else:
+            frozen += size
+    optimizer = sum(t.numel() * t.element_size() for state in engine.optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor))
+    encoders = sum(_param_bytes(m) for m in getattr(adapter, "text_encoders", {}).values())
+    reference = _param_bytes(engine._reference_copy.denoiser) if engine._reference_copy is not None else 0
+    return {"weights": frozen, "trainable": trainable, "gradients": trainable, "optimizer": optimizer, "other_adapters": other_adapters,
+            "reference_copy": reference, "vae": _param_bytes(getattr(adapter, "vae", None)), "text_encoders": encoders}
+
+
+def trace_recipe(cfg, gpus: int) -> Trace:
+    """Step one rank of the recipe on fake tensors (see the module docstring)."""
+    t = cfg.trainer
+    run = run_context(cfg)
+    algorithm = build_algorithm(cfg.algorithm, run)
+    config = worker_config(cfg, algorithm)
+    prompts, _, _ = run_prompts(t)
+    batch = t.prompts_per_step * t.group_size
+    per_rank = batch // gpus
+    start = time.perf_counter()
+    with tracing.shape_trace() as trace:
+        with trace.phase("build"):
+            group = build_worker_group(ActorRolloutRefWorker, config, backend="local", num_workers=1)
+            group.init_model()
+        worker = group.executor.worker  # the embedded executor's one worker
+        adapter = worker.engine.adapter
+        if prompts is None:
+            prompts = group.default_prompts() or ["a photograph"]
+        rank_prompts = step_prompts(prompts, 0, t.prompts_per_step, t.seed)[: max(1, per_rank // t.group_size)]
+        with trace.phase("text_encode"):
+            if hasattr(adapter, "cache_prompts"):
+                adapter.cache_prompts([p if isinstance(p, str) else p.prompt for p in rank_prompts])
+        group.set_loss_fn(algorithm.objective())
+        algorithm.setup(group)
+        window = build_window(cfg)
+        with tracing.memoised_forward(type(adapter), trace):
+            request = rollout_request(cfg, algorithm, rank_prompts, window.masks(0), 0)
+            with trace.phase("rollout"):
+                traj = group.generate_sequences(request)
+            trained = _trained_steps(traj)
+            # the update of one micro-batch of one trained step: the peak of every other is the same
+            micro = int(cfg.algorithm.micro_batch_size or per_rank)
+            take = min(per_rank, math.ceil(max(micro, 2) / t.group_size) * t.group_size)
+            small = _one_step(traj[:take])
+            rewards = torch.linspace(0.0, 1.0, take)  # spread, so that group advantages are not all zero
+            scores = {"rewards": rewards, **{f"reward/{name}": rewards for name in run.reward_weights}}
+            with trace.phase("train"):
+                algorithm.update(group, small, scores, 0)
+            with trace.phase("rollout_after_update"):
+                del traj
+                traj = group.generate_sequences(rollout_request(cfg, algorithm, rank_prompts, window.masks(0), 0))
+            categories = _categories(worker)
+        blocks = adapter.fsdp_blocks()
+        block_bytes = max((_param_bytes(b) for b in blocks), default=0)
+    phases = trace.phases
+    # the traced update ran `take` trajectories on one trained step; a step runs per_rank on every trained step
+    train_flops = phases["train"]["flops"] / take * per_rank * max(1, trained)
+    return Trace(
+        phases=dict(phases), categories=categories, rollout_flops=phases["rollout"]["flops"], train_flops=train_flops, block_bytes=block_bytes,
+        images_per_rank=per_rank, trace_s=time.perf_counter() - start,
+    )
+
+
+def _trained_steps(traj) -> int:
+    mask = traj["sde_mask"]
+    return int(mask[0].sum()) if mask.ndim == 2 else int(mask.sum())
+
+
+def _one_step(traj):
+    """``traj`` with only its first trained step kept (its other masks unchanged)."""
+    traj = traj.clone(recurse=False)
+    mask = traj["sde_mask"].clone()
+    first = int(mask[0].nonzero()[0]) if mask.ndim == 2 else int(mask.nonzero()[0])
+    mask[..., :] = False
+    mask[..., first] = True
+    traj["sde_mask"] = mask
+    return traj
+
+
+def per_rank(tr: Trace, cfg, gpus: int) -> dict:
+    """Per-rank peak bytes by phase and by category, FSDP2 sharding over ``gpus`` applied to the traced
+    single-rank numbers: sharded state ``1/N`` (on the host with ``model.param_offload``) plus two whole
+    blocks gathered for prefetch."""
+    c = dict(tr.categories)
+    sharded_keys = ("weights", "trainable", "gradients", "optimizer", "other_adapters", "reference_copy")
+    sharded = cfg.model.fsdp and gpus > 1
+    full = sum(c[k] for k in sharded_keys)
+    if sharded:
+        keep = 0.0 if cfg.model.param_offload else 1.0 / gpus
+        resident = {k: c[k] * keep for k in sharded_keys}
+        resident["fsdp_gathered_blocks"] = 2 * tr.block_bytes
+    else:
+        resident = {k: c[k] for k in sharded_keys}
+        resident["fsdp_gathered_blocks"] = 0
+    resident["vae"], resident["text_encoders"] = c["vae"], c["text_encoders"]
+    shift = sum(resident[k] for k in sharded_keys) + resident["fsdp_gathered_blocks"] - full  # traced with everything whole
+    phases = {}
+    for name, p in tr.phases.items():
+        if name == "build":
+            continue
+        grads = c["gradients"] if name == "train" else 0  # freed by zero_grad after the step
+        gshift = (grads * (1.0 / gpus if sharded and not cfg.model.param_offload else 0.0 if sharded else 1.0) - grads)
+        phases[name] = max(0.0, p["peak_bytes"] + shift + gshift)
+    peak_phase = max(phases, key=phases.get)
+    return {"phases": phases, "peak_bytes": phases[peak_phase], "peak_phase": peak_phase, "resident": resident, "sharded": sharded}
+
+
+def mfu_for(shape: str, compiled: bool, mfu: float | None) -> tuple[float, float, str]:
+    """``(rollout MFU, training MFU, source)``: ``--mfu``, else the H200 measurement of the shape (or its
+    text-to-image parent's) in the recipe's compile mode, else the other mode's, else an assumption."""
+    if mfu is not None:
+        if not 0 < mfu <= 1:
+            raise PlanError(f"--mfu must be in (0, 1], got {mfu}")
+        return mfu, mfu, "--mfu"
+    base = PARENT_SHAPES.get(shape, shape)
+    for key in ((base, compiled), (base, not compiled)):
+        if key in MEASURED_MFU:
+            r, t, source = MEASURED_MFU[key]
+            label = f"measured on H200: benchmarks/results/{source}" + ("" if key[0] == shape else f" ({base}'s)")
+            if key[1] != compiled:
+                label += f" (model.compile={str(compiled).lower()} not measured: the other mode's)"
+            return r, t, label
+    return ASSUMED_MFU, ASSUMED_MFU, f"assumed {ASSUMED_MFU} (no measurement of {shape}; pass --mfu)"
+
+
+def estimate(tr: Trace, cfg, shape: str, gpus: int, peak_flops: float, mfu: float | None) -> dict:
+    """FLOPs of one RL step per rank and the seconds / images/s they take at the MFU of :func:`mfu_for`."""
+    mfu_r, mfu_t, source = mfu_for(shape, bool(cfg.model.compile), mfu)
+    rollout_s = tr.rollout_flops / (mfu_r * peak_flops)
+    train_s = tr.train_flops / (mfu_t * peak_flops)
+    step_s = rollout_s + train_s
+    images = tr.images_per_rank * gpus
+    return {"rollout_flops": tr.rollout_flops, "train_flops": tr.train_flops, "rollout_mfu": mfu_r, "train_mfu": mfu_t, "mfu_source": source,
+            "rollout_s": rollout_s, "train_s": train_s, "step_s": step_s, "images_per_s": images / step_s, "images_per_step": images}
+
+
+def candidates(cfg, gpus: int) -> list[tuple[str, list[str], int]]:
+    """Changes that lower the peak, cheapest first: ``(what, overrides, gpus)``."""
+    out = []
+    t, a, m = cfg.trainer, cfg.algorithm, cfg.model
+    per_rank = t.prompts_per_step * t.group_size // gpus
+    micro = int(a.micro_batch_size or per_rank)
+    while micro > 1:
+        micro //= 2
+        out.append((f"training micro-batch {micro}", [f"algorithm.micro_batch_size={micro}"], gpus))
+    chunk = int(cfg.sampler.micro_batch_size or per_rank)
+    while chunk > 1:
+        chunk //= 2
+        out.append((f"rollout micro-batch {chunk}", [f"sampler.micro_batch_size={chunk}"], gpus))
+    if not m.activation_checkpointing or int(m.checkpoint_every) > 1:
+        out.append(("activation checkpointing of every block", ["model.activation_checkpointing=true", "model.checkpoint_every=1"], gpus))
+    options = m.get("options") or {}
+    if options.get("cfg_mode") == "batched":
+        out.append(("CFG as two forwards (cfg_mode=split)", ["+model.options.cfg_mode=split"], gpus))
+    if not options.get("drop_text_encoders", False):
+        out.append(("drop the text encoders after caching the prompts", ["+model.options.drop_text_encoders=true"], gpus))
+    if int(t.rollout_replicas):
+        out.append(("rollouts on the actor ranks (no replicas)", ["trainer.rollout_replicas=0", "trainer.max_staleness=0"], gpus))
+    batch, n = t.prompts_per_step * t.group_size, gpus * 2
+    while n <= 64:
+        if batch % n == 0 and (a.mini_batch_size or batch) % n == 0:
+            out.append((f"{n} GPUs (FSDP2)", ["model.fsdp=true"], n))
+        n *= 2
+    return out
+
+
+def plan(overrides: list[str], *, gpus: int = 1, gpu: str = "h100", gpu_memory_gb: float | None = None, mfu: float | None = None,
+         peak_tflops: float | None = None, recommend: bool = True) -> dict:
+    """Plan the recipe of ``overrides`` on ``gpus`` GPUs of kind ``gpu`` (see the module docstring)."""
+    name, budget_gb, peak = gpu_spec(gpu, gpu_memory_gb)
+    if peak_tflops is not None:
+        peak = float(peak_tflops) * 1e12
+    cfg, shape = plan_config(overrides, gpus)
+    tr = trace_recipe(cfg, gpus)
+    rank = per_rank(tr, cfg, gpus)
+    result = {
+        "recipe": cfg.experiment, "overrides": list(overrides), "shape": shape, "gpus": gpus, "gpu": name, "gpu_memory_gib": budget_gb,
+        "peak_gib": rank["peak_bytes"] / GiB, "peak_phase": rank["peak_phase"], "phases_gib": {k: v / GiB for k, v in rank["phases"].items()},
+        "resident_gib": {k: v / GiB for k, v in rank["resident"].items()}, "fsdp_sharded": rank["sharded"],
+        "fits": rank["peak_bytes"] / GiB <= budget_gb, "trace_seconds": tr.trace_s, **estimate(tr, cfg, shape, gpus, peak, mfu),
+        "not_counted": "reward models, evaluations, CUDA workspaces and allocator fragmentation",
+    }
+    if recommend and not result["fits"]:
+        result["recommendation"] = None
+        tried = []
+        base = [o for o in overrides]
+        for what, extra, n in candidates(cfg, gpus)[:8]:
+            try:
+                sub = plan([*base, *extra], gpus=n, gpu=gpu, gpu_memory_gb=budget_gb, mfu=mfu, peak_tflops=peak_tflops, recommend=False)
+            except ValueError as exc:
+                tried.append({"change": what, "error": str(exc)})
+                continue
+            tried.append({"change": what, "overrides": extra, "gpus": n, "peak_gib": sub["peak_gib"], "step_s": sub["step_s"]})
+            if sub["fits"]:
+                result["recommendation"] = tried[-1]
+                break
+        result["tried"] = tried
+    return result
+
+
+def report(r: dict) -> str:
+    """The plan as text."""
+    lines = [
+        f"diffrl plan: {r['recipe']} at shape {r['shape']} on {r['gpus']} × {r['gpu']} ({r['gpu_memory_gib']:.1f} GiB each)",
+        f"  peak per GPU {r['peak_gib']:.2f} GiB in {r['peak_phase']} → {'fits' if r['fits'] else 'DOES NOT FIT'}"
+        + (" (FSDP2-sharded)" if r["fsdp_sharded"] else ""),
+        "  by phase: " + ", ".join(f"{k} {v:.2f}" for k, v in r["phases_gib"].items()) + " GiB",
+        "  resident: " + ", ".join(f"{k} {v:.2f}" for k, v in r["resident_gib"].items() if v) + " GiB; the rest of a phase's peak is activations and rollout buffers",
+        f"  one RL step: {r['images_per_step']} images, rollout {r['rollout_flops'] / 1e15:.1f} PFLOP + update {r['train_flops'] / 1e15:.1f} PFLOP per GPU",
+        f"  at MFU {r['rollout_mfu']:.2f} (rollout) / {r['train_mfu']:.2f} (update) [{r['mfu_source']}]: "
+        f"{r['step_s']:.1f} s per step ({r['rollout_s']:.1f} + {r['train_s']:.1f}), {r['images_per_s']:.2f} images/s",
+        f"  not counted: {r['not_counted']}; traced in {r['trace_seconds']:.0f} s",
+    ]
+    if "recommendation" in r:
+        rec = r["recommendation"]
+        if rec:
+            lines.append(f"  cheapest change that fits: {rec['change']} ({' '.join(rec['overrides'])}{'' if rec['gpus'] == r['gpus'] else f' --gpus {rec[chr(103) + chr(112) + chr(117) + chr(115)]}'}) "
+                         f"→ {rec['peak_gib']:.2f} GiB, {rec['step_s']:.1f} s per step")
+        else:
+            lines.append("  nothing tried fits: " + "; ".join(f"{t['change']} {t.get('peak_gib', float('nan')):.1f} GiB" for t in r.get("tried", [])))
+    return "\n".join(lines)
+
+
+def add_parser(sub) -> dict:
+    p = sub.add_parser("plan", help="will a recipe fit on my GPUs, and how long will a step take (CPU only)",
+                       description="plan a recipe's memory per GPU and step time without a GPU; overrides as for diffrl train")
+    p.add_argument("overrides", nargs="*", help="hydra overrides, e.g. experiment=qwen_image_ocr_lora_flow_grpo")
+    p.add_argument("--gpus", type=int, default=1, help="GPUs (trainer.num_workers; FSDP2 with model.fsdp)")
+    p.add_argument("--gpu", default="h100", help=f"GPU kind: {', '.join(sorted(GPUS))}")
+    p.add_argument("--gpu-memory-gb", type=float, default=None, help="memory per GPU in GiB (default: the kind's)")
+    p.add_argument("--mfu", type=float, default=None, help="MFU to estimate time with (default: the H200 measurement of the model)")
+    p.add_argument("--peak-tflops", type=float, default=None, help="bf16 peak per GPU (default: the kind's datasheet)")
+    p.add_argument("--json", default=None, help="also write the plan as JSON here")
+    return {"plan": run_plan}
+
+
+def run_plan(args) -> int:
+    import json
+
+    r = plan(args.overrides, gpus=args.gpus, gpu=args.gpu, gpu_memory_gb=args.gpu_memory_gb, mfu=args.mfu, peak_tflops=args.peak_tflops)
+    print(report(r), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(r, f, indent=2)
+    return 0
+
+
+__all__ = ["GPUS", "MEASURED_MFU", "PlanError", "Trace", "add_parser", "estimate", "gpu_spec", "mfu_for", "per_rank", "plan", "plan_config", "report",
+           "shape_of", "trace_recipe"]
