@@ -353,6 +353,9 @@ class TrainerConfig:
     stop_when_diverging: int = 0
     """k ≥ 1: stop when over the last k evaluations the evaluation reward rose every time while trainer.select_by's metric fell
     every time (the reward-hacking signature), naming the step and the best checkpoint; 0: off"""
+    plan_check: bool = True
+    """on a GPU run, plan the recipe first (diffrl plan, on the CPU, before anything is allocated) and warn when its peak
+    exceeds the device's memory; false: skip the check"""
     checkpoint_every: int = 50
     """write a LoRA checkpoint every N steps (and at the end); 0: only at the end"""
     output_dir: Optional[str] = None

@@ -231,7 +231,7 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-def validate(cfg: Config | DictConfig) -> Config:
+def validate(cfg: Config | DictConfig, *, hub_cache: bool = True) -> Config:
     """Check every value of a run's config before anything is built; return it as :class:`Config`.
 
     Ranges and choices come from each config class's ``CHECKS`` (``diffrl.config`` and each algorithm's
@@ -288,7 +288,7 @@ def validate(cfg: Config | DictConfig) -> Config:
                  f"trainer.stop_when_diverging={t.stop_when_diverging} compares the reward with trainer.select_by={t.select_by}, which is the reward itself; select by a judge the run does not train on")
     _require(not t.stop_when_diverging or t.select_by is not None,
              f"trainer.stop_when_diverging={t.stop_when_diverging} needs trainer.select_by=<a held-out judge> (what must not fall while the reward rises)")
-    if offline():
+    if hub_cache and offline():
         check_hub_cache(cfg)
     return cfg
 

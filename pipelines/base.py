@@ -28,7 +28,7 @@ from torch import nn
 
 from diffrl.hub import resolve_folder
 from pipelines.schedules import shifted_sigmas
-from pipelines.shapes import check_shape_path, resolve_shape
+from pipelines.shapes import PARENT_SHAPES, SHAPES, check_shape_path, resolve_shape
 
 _FAMILIES: dict[str, Callable[..., "ModelAdapter"]] = {}
 
@@ -367,3 +367,28 @@ def build_adapter(family: str, **kwargs) -> ModelAdapter:
     if kwargs.get("path") is not None:
         kwargs["path"] = resolve_model_path(family, kwargs["path"], revision)
     return cls(**kwargs)
+
+
+def published_shape(family: str, path=None, shape: str = "tiny") -> str:
+    """The published shape (``pipelines.shapes``) a run of ``family`` builds or loads: ``shape`` (``tiny`` for the
+    tiny random one, a name or ``full``), else the shape whose Hub repository is ``model.path`` (``org/name``,
+    ``@revision`` ignored); ``local`` for a local folder. A Hub id no published shape matches is a one-line error."""
+    if path is None:
+        spec = resolve_shape(family, shape)
+        return "tiny" if spec is None else spec.name
+    if Path(str(path)).expanduser().is_dir():
+        return "local"
+    repo = str(path).split("@")[0].rstrip("/")
+    for spec in SHAPES.values():
+        if spec.family == family and spec.source.split()[0] == repo:
+            return spec.name
+    known = sorted(s.source.split()[0] for s in SHAPES.values() if s.family == family)
+    names = "|".join(["tiny", *sorted(n for n, s in SHAPES.items() if s.family == family)])
+    raise ValueError(f"model.path={path} is not a published shape of family {family!r} ({known or 'none'}); plan it with "
+                     f"model.path=null +model.options.shape=<{names}>")
+
+
+def parent_shape_name(shape: str) -> str:
+    """An editing model's published shape → its text-to-image parent's (same transformer); any other → itself."""
+    return PARENT_SHAPES.get(shape, shape)
+

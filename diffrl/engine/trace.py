@@ -7,10 +7,12 @@ and stepped on a laptop's CPU in seconds. Two things torch's tools do not give, 
 
 * **Small tensors stay real.** Sampling code reads a few values back (a mask's ``.any()``, the number of valid
   text tokens, a window's start); on fake tensors that raises ``DataDependentOutputException``. Here an op
-  whose tensor inputs are all real and small (≤ :data:`SMALL` elements: masks, seeds, schedules, token ids)
-  runs for real, and its small outputs stay real; a small real tensor meeting a fake one becomes a fake
+  whose tensor inputs are all real and small (≤ :data:`SMALL` elements: seeds, schedules; integer and boolean
+  tensors up to :data:`SMALL_INDEX`: masks, token ids) runs for real, and its small outputs stay real; a small real tensor meeting a fake one becomes a fake
   *constant* (torch's constant propagation then keeps e.g. a boolean index exact). Big tensors are fake.
-  Values read from fake tensors (a loss's ``.item()`` for the metrics) read as 0.
+  Values read from fake tensors (a loss's ``.item()`` for the metrics) read as 0, booleans as False, except
+  those computed by ``isfinite`` (the optimizer's finiteness check), which read as True; an integer read from
+  a fake tensor (a shape would depend on it) is an error.
 * **Live bytes of every storage, in every grad mode.** ``torch.distributed._tools.mem_tracker.MemTracker``
   attributes memory to modules through module hooks, and fails when a module runs under ``no_grad`` inside
   the tracked region (the rollout, the reference and old-policy passes, CFG's unconditional branch); the
@@ -22,9 +24,10 @@ FLOPs are counted per op with ``torch.utils.flop_counter``'s formulas (``FlopCou
 keep activations alive, which would defeat activation checkpointing), so they are the FLOPs the code runs:
 the recompute of checkpointed blocks included, frozen weights computing no weight gradients.
 
-Repeated gradient-free denoiser calls (the rollout's steps, the reference and old-policy passes) have the
-same memory profile and FLOPs as the first call of the same shapes: :func:`memoised_forward` traces the first
-and replays its transient peak and FLOPs for the rest, which makes a 10-step rollout cost one step's trace.
+Repeated gradient-free denoiser calls (the rollout's steps, the reference and old-policy passes) and VAE
+decodes have the same memory profile and FLOPs as the first call of the same shapes: :func:`memoised_forward`
+traces the first and replays its transient peak and FLOPs for the rest, which makes a 10-step rollout of
+a thousand images cost one step's and one decode chunk's trace.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import weakref
 
 import torch
 import torch._subclasses.fake_tensor as fake_tensor
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
@@ -43,16 +47,26 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 SMALL = 1 << 16
 """elements up to which a tensor whose inputs are all real is computed for real (masks, seeds, schedules)"""
+SMALL_INDEX = 1 << 24
+"""elements up to which an integer or boolean tensor whose inputs are all real stays real (a batch's token masks)"""
 ALLOCATION_UNIT = 512
 """bytes: CUDA's caching allocator rounds every block up to a multiple of this"""
 # ops whose output may be far larger than their inputs: their output size is checked on fake tensors first
 _GROWING = {"new_empty", "new_zeros", "new_ones", "new_full", "new_empty_strided", "repeat", "repeat_interleave", "empty_like", "zeros_like",
             "ones_like", "full_like", "rand_like", "randn_like", "expand_copy", "tile"}
 _aten = torch.ops.aten
+# ops through which a fake "is finite" boolean stays one (a value read from any other fake boolean reads False)
+_KEEPS_TRUTH = {_aten.all, _aten.logical_and, _aten.bitwise_and, _aten._to_copy, _aten.alias, _aten.view, _aten.squeeze, _aten.clone,
+                _aten.detach, _aten.lift_fresh, _aten.all}
 
 
 def _tensors(tree) -> list[torch.Tensor]:
     return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
+
+
+def _small(t: torch.Tensor) -> bool:
+    """Kept real: up to :data:`SMALL` elements, or :data:`SMALL_INDEX` for integers and booleans (masks, ids)."""
+    return t.numel() <= (SMALL if t.is_floating_point() or t.is_complex() else SMALL_INDEX)
 
 
 def is_fake(t) -> bool:
@@ -64,10 +78,12 @@ class ShapeTrace(TorchDispatchMode):
 
     Use :func:`shape_trace` to enter it together with its ``FakeTensorMode``."""
 
-    def __init__(self, fake_mode: fake_tensor.FakeTensorMode):
+    def __init__(self, fake_mode: fake_tensor.FakeTensorMode, allocation_unit: int = ALLOCATION_UNIT):
         super().__init__()
         self.fake_mode = fake_mode
+        self.unit = int(allocation_unit)
         self._seen = WeakIdKeyDictionary()
+        self._finite = WeakIdKeyDictionary()  # fake booleans that say "finite": they read as True (the optimizer steps)
         self.current = 0
         self.peak = 0
         self.flops = 0
@@ -81,7 +97,7 @@ class ShapeTrace(TorchDispatchMode):
         storage = t.untyped_storage()
         if storage in self._seen:
             return
-        nbytes = -(-storage.nbytes() // ALLOCATION_UNIT) * ALLOCATION_UNIT
+        nbytes = -(-storage.nbytes() // self.unit) * self.unit
         self._seen[storage] = True
         self.current += nbytes
         self.peak = max(self.peak, self.current)
@@ -106,14 +122,19 @@ class ShapeTrace(TorchDispatchMode):
         flat, spec = tree_flatten((args, kwargs))
         tensors = [t for t in flat if isinstance(t, torch.Tensor)]
         fake = [is_fake(t) for t in tensors]
-        if func is _aten._local_scalar_dense.default and any(fake):  # a value read from a fake tensor (metrics)
+        if func is _aten._local_scalar_dense.default and any(fake):  # a value read from a fake tensor
             t = tensors[0]
-            return False if t.dtype == torch.bool else (0.0 if t.is_floating_point() else 0)
-        if not any(fake) and all(t.numel() <= SMALL for t in tensors):
+            if t.dtype == torch.bool:
+                return t in self._finite
+            if t.is_floating_point():
+                return 0.0  # a metric (a loss's .item())
+            raise RuntimeError(f"diffrl plan: the code read an integer from a tensor of {tuple(t.shape)} elements that is not kept real "
+                               f"(more than {SMALL_INDEX} or computed from model outputs); its shapes would depend on it")
+        if not any(fake) and all(_small(t) for t in tensors):
             probe = []
             if not tensors or func.__name__.split(".")[0] in _GROWING:  # a factory: check its size on fake tensors first
                 probe = _tensors(func(*args, **kwargs))
-            if all(t.numel() <= SMALL for t in probe):
+            if all(_small(t) for t in probe):
                 with fake_tensor.unset_fake_temporarily():
                     out = func(*args, **kwargs)
                 return self._account(func, args, kwargs, out)
@@ -128,9 +149,13 @@ class ShapeTrace(TorchDispatchMode):
         return self._account(func, args, kwargs, func(*args, **kwargs))
 
     def _account(self, func, args, kwargs, out):
-        for t in _tensors(out):
+        outputs = _tensors(out)
+        for t in outputs:
             self.track(t)
         packet = func._overloadpacket
+        if packet in _KEEPS_TRUTH and any(t in self._finite for t in _tensors((args, kwargs)) if is_fake(t)):
+            for t in outputs:
+                self._finite[t] = True
         if packet is _aten._scaled_dot_product_flash_attention_for_cpu:  # the fake CPU kernel of the GPU's fused
             self.flops += sdpa_flop_count(args[0].shape, args[1].shape, args[2].shape)  # attention: not in the registry
         elif packet is _aten._scaled_dot_product_flash_attention_for_cpu_backward:
@@ -139,6 +164,21 @@ class ShapeTrace(TorchDispatchMode):
             count = flop_registry.get(packet)
             if count is not None:
                 self.flops += count(*args, **kwargs, out_val=out)
+        return out
+
+
+class _FiniteChecks(TorchFunctionMode):
+    """Marks the result of ``torch.isfinite`` on a fake tensor (it decomposes into several ops below the
+    dispatcher, so the mark is set here, at the function level) so that reading it gives True."""
+
+    def __init__(self, trace: ShapeTrace):
+        super().__init__()
+        self.trace = trace
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in (torch.isfinite, torch.Tensor.isfinite) and isinstance(out, torch.Tensor) and is_fake(out):
+            self.trace._finite[out] = True
         return out
 
 
@@ -162,15 +202,16 @@ def _swap_falls_back():
 
 
 @contextlib.contextmanager
-def shape_trace():
-    """``with shape_trace() as trace:`` builds and runs models on fake CPU tensors, counting live bytes and
-    FLOPs. Tensors made inside are fake (or small and real); use them only inside."""
+def shape_trace(allocation_unit: int = ALLOCATION_UNIT):
+    """``with shape_trace() as trace:`` builds and runs models on fake CPU tensors, counting live bytes (each
+    storage rounded up to ``allocation_unit``: CUDA's 512 by default, 1 to compare with a CPU run) and FLOPs.
+    Tensors made inside are fake (or small and real); use them only inside."""
     previous = fake_tensor.CONSTANT_NUMEL_LIMIT
     fake_tensor.CONSTANT_NUMEL_LIMIT = SMALL  # constants of up to SMALL elements propagate (masks, index lists)
     mode = fake_tensor.FakeTensorMode(allow_non_fake_inputs=True)
-    trace = ShapeTrace(mode)
+    trace = ShapeTrace(mode, allocation_unit)
     try:
-        with _swap_falls_back(), mode, trace:
+        with _swap_falls_back(), mode, trace, _FiniteChecks(trace):
             yield trace
     finally:
         fake_tensor.CONSTANT_NUMEL_LIMIT = previous
@@ -186,38 +227,67 @@ def _signature(value):
     return value
 
 
+def _like(value):
+    if isinstance(value, torch.Tensor):
+        return ("T", tuple(value.shape), value.stride(), value.dtype, value.device)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_like(v) for v in value)
+    return value
+
+
+def _make(spec):
+    if isinstance(spec, tuple) and spec and spec[0] == "T":
+        return torch.empty_strided(spec[1], spec[2], dtype=spec[3], device=spec[4])
+    if isinstance(spec, (tuple, list)):
+        return type(spec)(_make(v) for v in spec)
+    return spec
+
+
 @contextlib.contextmanager
-def memoised_forward(adapter_cls: type, trace: ShapeTrace):
-    """Replay gradient-free ``adapter_cls._forward`` calls of a traced signature (the denoiser, the input
-    shapes, train/eval mode, LoRA state): the first call runs; later ones add its transient peak and FLOPs and
-    return an uninitialised output of its shape. Calls with gradients always run."""
-    original = adapter_cls._forward
+def memoised(cls: type, name: str, trace: ShapeTrace, module_attr: str | None = None):
+    """Replay gradient-free calls of ``cls.<name>`` with a traced signature (the object, its train/eval mode,
+    the LoRA state of ``getattr(self, module_attr)``, the input shapes): the first call runs; later ones add
+    its transient peak and FLOPs to the trace and return uninitialised tensors of its outputs' shapes (a
+    tensor or a tuple of them). Calls with gradients always run."""
+    original = getattr(cls, name)
     seen: dict = {}
 
     @functools.wraps(original)
-    def forward(self, *args, **kwargs):
+    def call(self, *args, **kwargs):
         if torch.is_grad_enabled():
             return original(self, *args, **kwargs)
-        module = self.denoiser
+        module = getattr(self, module_attr) if module_attr else self
         lora_state = tuple(sorted({str(getattr(m, "active_adapters", "")) + str(getattr(m, "disable_adapters", "")) for m in module.modules()
-                                   if hasattr(m, "active_adapters")}))
-        key = (id(module), module.training, lora_state, _signature(args), _signature(kwargs))
+                                   if hasattr(m, "active_adapters")})) if module_attr else ()
+        key = (id(module), getattr(module, "training", None), lora_state, _signature(args), _signature(kwargs))
         if key in seen:
-            transient, flops, (shape, stride, dtype, device) = seen[key]
+            transient, flops, spec = seen[key]
             trace.bump(transient, flops)
-            return torch.empty_strided(shape, stride, dtype=dtype, device=device)
+            return _make(spec)
         before_peak, before, flops = trace.peak, trace.current, trace.flops
         trace.peak = trace.current
         out = original(self, *args, **kwargs)
-        seen[key] = (trace.peak - before, trace.flops - flops, (out.shape, out.stride(), out.dtype, out.device))  # not the output: it must die
+        seen[key] = (trace.peak - before, trace.flops - flops, _like(out))  # not the output itself: it must die
         trace.peak = max(trace.peak, before_peak)
         return out
 
-    adapter_cls._forward = forward
+    setattr(cls, name, call)
     try:
         yield
     finally:
-        adapter_cls._forward = original
+        setattr(cls, name, original)
 
 
-__all__ = ["ALLOCATION_UNIT", "SMALL", "ShapeTrace", "is_fake", "memoised_forward", "shape_trace"]
+@contextlib.contextmanager
+def memoised_forward(adapter, trace: ShapeTrace):
+    """:func:`memoised` on the adapter's denoiser forward (``_forward``: the rollout's steps, the reference and
+    old-policy passes) and on its VAE's ``decode`` (the rollout's decode chunks)."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(memoised(type(adapter), "_forward", trace, module_attr="denoiser"))
+        vae = getattr(adapter, "vae", None)
+        if vae is not None and hasattr(type(vae), "decode"):
+            stack.enter_context(memoised(type(vae), "decode", trace))
+        yield
+
+
+__all__ = ["ALLOCATION_UNIT", "SMALL", "ShapeTrace", "is_fake", "memoised", "memoised_forward", "shape_trace"]

@@ -3,6 +3,7 @@
     diffrl train [key=value ...]          run a recipe (default: experiment=digits_flow_grpo on CPU)
     diffrl sample / eval / export-lora    sample images, evaluate, export the LoRA (diffrl.tools.commands)
     diffrl serve-reward reward=<name>     serve a registered reward over HTTP (diffrl.tools.reward_server)
+    diffrl plan [key=value ...] --gpus N  will the recipe fit, how long will a step take (CPU only; diffrl.tools.plan)
 
 Overrides use hydra syntax: ``diffrl train experiment=digits_flow_grpo trainer.steps=20
 trainer.output_dir=runs/a``. Errors in the config, missing files and failing rewards print one line
@@ -21,7 +22,7 @@ import sys
 from diffrl.checkpoint import CheckpointError
 from diffrl.logging import WandbInitError
 from diffrl.recipes import ConfigError, compose
-from diffrl.tools import commands, reward_server
+from diffrl.tools import commands, plan, reward_server
 from diffrl.trainer import RunFolderError, RunStopped, Trainer
 from rewards.base import RewardError
 
@@ -29,6 +30,9 @@ from rewards.base import RewardError
 def _train(overrides: list[str]) -> int:
 
     cfg = compose(overrides)
+    warning = plan.preflight(overrides, cfg)  # GPU runs: will it fit? (trainer.plan_check)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
     trainer = Trainer(cfg)
     print(f"diffrl: experiment {cfg.experiment} → {trainer.output_dir}", flush=True)
     summary = trainer.fit()
@@ -46,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     handlers = {"train": lambda args: _train(args.overrides)}
     handlers.update(commands.add_parsers(sub))  # name -> handler(args) -> exit status
     handlers.update(reward_server.add_parsers(sub))
+    handlers.update(plan.add_parser(sub))
     args = parser.parse_args(argv)
 
     try:

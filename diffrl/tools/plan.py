@@ -28,12 +28,15 @@ CUDA's workspaces and the caching allocator's fragmentation (the measured peaks 
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import dataclasses
 import math
 import time
-from pathlib import Path
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
+from diffusers.models import modeling_utils
 from omegaconf import OmegaConf, open_dict
 
 from diffrl.algorithms import build_algorithm
@@ -44,7 +47,7 @@ from diffrl.engine import trace as tracing
 from diffrl.engine.flops import DEVICE_PEAK_FLOPS
 from diffrl.recipes import compose, validate
 from diffrl.trainer import build_window, check_sizes, rollout_request, run_context, worker_config
-from pipelines.shapes import PARENT_SHAPES, SHAPES, resolve_shape
+from pipelines.base import parent_shape_name, published_shape
 
 GiB = 2**30
 GPUS = {  # name → (memory in GiB that torch reports as total, dense bf16 FLOP/s from diffrl.engine.flops)
@@ -86,20 +89,11 @@ def gpu_spec(gpu: str, memory_gb: float | None) -> tuple[str, float, float]:
 
 
 def shape_of(family: str, path, shape: str) -> str:
-    """The published shape a recipe plans at: ``model.options.shape``, else the shape whose Hub repo is
-    ``model.path`` (``org/name``); a path no published shape matches is a one-line error."""
-    if path is None:
-        spec = resolve_shape(family, shape)
-        return "tiny" if spec is None else spec.name
-    if Path(str(path)).expanduser().is_dir():
-        return "local"  # a local folder: built from it as the run would (its weights read under fake tensors)
-    repo = str(path).split("@")[0].rstrip("/")
-    for spec in SHAPES.values():
-        if spec.family == family and spec.source.split()[0] == repo:
-            return spec.name
-    known = sorted(s.source.split()[0] for s in SHAPES.values() if s.family == family)
-    raise PlanError(f"model.path={path} is not a published shape of family {family!r} ({known or 'none'}); plan it with "
-                    f"model.path=null +model.options.shape=<{'|'.join(['tiny', *sorted(n for n, s in SHAPES.items() if s.family == family)])}>")
+    """The published shape a recipe plans at (``pipelines.base.published_shape``), its error as :class:`PlanError`."""
+    try:
+        return published_shape(family, path, shape)
+    except ValueError as exc:
+        raise PlanError(str(exc)) from None
 
 
 def plan_config(overrides: list[str], gpus: int):
@@ -117,10 +111,10 @@ def plan_config(overrides: list[str], gpus: int):
             cfg.model.path = None
             cfg.model.revision = None
         if shape not in ("tiny", "local"):
-            cfg.model.options = {**OmegaConf.to_container(cfg.model.options or {}), "shape": shape}
+            cfg.model.options = {**(OmegaConf.to_container(cfg.model.options) if cfg.model.options else {}), "shape": shape}
         cfg.model.device = "cpu"
         cfg.trainer.backend = "local"
-    cfg = validate(cfg)
+    cfg = validate(cfg, hub_cache=False)  # nothing is loaded: the plan needs no cached weights
     try:
         check_sizes(cfg)
     except ValueError as exc:
@@ -140,7 +134,6 @@ class Trace:
     block_bytes: int
     images_per_rank: int
     trace_s: float
-    notes: list = field(default_factory=list)
 
 
 def _param_bytes(module) -> int:
@@ -167,56 +160,86 @@ def _categories(worker) -> dict:
             "reference_copy": reference, "vae": _param_bytes(getattr(adapter, "vae", None)), "text_encoders": encoders}
 
 
-def trace_recipe(cfg, gpus: int) -> Trace:
-    """Step one rank of the recipe on fake tensors (see the module docstring)."""
+def step_recipe(cfg, gpus: int, phase, memo=lambda adapter: contextlib.nullcontext()) -> dict:
+    """Run one rank's share of the recipe's first RL step in phases: ``build`` (the worker: model, adapters,
+    optimizer), ``text_encode``, ``rollout``, ``train`` (one micro-batch of one trained step through the
+    algorithm's update) and ``rollout_after_update`` (the optimizer state resident). ``phase(name)`` is a
+    context manager around each; ``memo(adapter)`` one around the rollouts and the update. Returns the sizes
+    the FLOPs scale by and the static bytes by category."""
     t = cfg.trainer
+    # an objective on clean samples trains `<...>num_timesteps` noise levels per sample, one backward each: the
+    # peak of one is the peak of all, so one is traced and its FLOPs scaled (NFT's 24 levels would cost minutes)
+    levels = {k: int(v) for k, v in vars(cfg.algorithm).items() if k.endswith("num_timesteps") and isinstance(v, int) and v > 1}
+    if levels:
+        cfg = copy.copy(cfg)
+        cfg.algorithm = dataclasses.replace(cfg.algorithm, **{k: 1 for k in levels})
     run = run_context(cfg)
     algorithm = build_algorithm(cfg.algorithm, run)
     config = worker_config(cfg, algorithm)
     prompts, _, _ = run_prompts(t)
-    batch = t.prompts_per_step * t.group_size
-    per_rank = batch // gpus
+    per_rank = t.prompts_per_step * t.group_size // gpus
+    with phase("build"):
+        group = build_worker_group(ActorRolloutRefWorker, config, backend="local", num_workers=1)
+        group.init_model()
+    worker = group.executor.worker  # the local executor's one worker
+    adapter = worker.engine.adapter
+    if prompts is None:
+        prompts = group.default_prompts() or ["a photograph"]
+    step = step_prompts(prompts, 0, t.prompts_per_step, t.seed)
+    window = build_window(cfg)
+
+    def request():  # rank 0's share of the step's request (the data-parallel split takes contiguous slices)
+        return rollout_request(cfg, algorithm, step, window.masks(0), 0)[:per_rank]
+
+    with phase("text_encode"):
+        if hasattr(adapter, "cache_prompts"):
+            adapter.cache_prompts(sorted({p if isinstance(p, str) else p.prompt for p in request()["prompts"].tolist()}))
+    group.set_loss_fn(algorithm.objective())
+    algorithm.setup(group)
+    with memo(adapter):
+        with phase("rollout"):
+            traj = group.generate_sequences(request())
+        trained = _trained_steps(traj)
+        # the update of one micro-batch of one trained step: the peak of every other is the same
+        micro = int(cfg.algorithm.micro_batch_size or per_rank)
+        take = min(per_rank, max(micro, 2))  # one micro-batch (part of a group: its rewards are made up anyway)
+        small = _one_step(traj[:take])
+        rewards = torch.linspace(0.0, 1.0, take)  # spread, so that group advantages are not all zero
+        scores = {"rewards": rewards, **{f"reward/{name}": rewards for name in run.reward_weights}}
+        with phase("train"):
+            algorithm.update(group, small, scores, 0)
+        del traj, small
+        with phase("rollout_after_update"):
+            traj = group.generate_sequences(request())
+    blocks = adapter.fsdp_blocks()
+    return {"categories": _categories(worker), "block_bytes": max((_param_bytes(b) for b in blocks), default=0), "per_rank": per_rank,
+            "trained_steps": trained, "trained_samples": take, "levels": max(levels.values(), default=1)}
+
+
+@contextlib.contextmanager
+def _eager_loading():
+    """diffusers' ``from_pretrained`` of a local folder builds on the meta device and moves each weight in through
+    accelerate, which cannot make a fake parameter; building first and loading the state dict works on fake
+    tensors (``low_cpu_mem_usage=False`` as the default while planning)."""
+    previous = getattr(modeling_utils, "_LOW_CPU_MEM_USAGE_DEFAULT", None)
+    modeling_utils._LOW_CPU_MEM_USAGE_DEFAULT = False
+    try:
+        yield
+    finally:
+        modeling_utils._LOW_CPU_MEM_USAGE_DEFAULT = previous
+
+
+def trace_recipe(cfg, gpus: int, *, allocation_unit: int = tracing.ALLOCATION_UNIT) -> Trace:
+    """Step one rank of the recipe on fake tensors (:func:`step_recipe` under :func:`diffrl.engine.trace.shape_trace`)."""
     start = time.perf_counter()
-    with tracing.shape_trace() as trace:
-        with trace.phase("build"):
-            group = build_worker_group(ActorRolloutRefWorker, config, backend="local", num_workers=1)
-            group.init_model()
-        worker = group.executor.worker  # the embedded executor's one worker
-        adapter = worker.engine.adapter
-        if prompts is None:
-            prompts = group.default_prompts() or ["a photograph"]
-        rank_prompts = step_prompts(prompts, 0, t.prompts_per_step, t.seed)[: max(1, per_rank // t.group_size)]
-        with trace.phase("text_encode"):
-            if hasattr(adapter, "cache_prompts"):
-                adapter.cache_prompts([p if isinstance(p, str) else p.prompt for p in rank_prompts])
-        group.set_loss_fn(algorithm.objective())
-        algorithm.setup(group)
-        window = build_window(cfg)
-        with tracing.memoised_forward(type(adapter), trace):
-            request = rollout_request(cfg, algorithm, rank_prompts, window.masks(0), 0)
-            with trace.phase("rollout"):
-                traj = group.generate_sequences(request)
-            trained = _trained_steps(traj)
-            # the update of one micro-batch of one trained step: the peak of every other is the same
-            micro = int(cfg.algorithm.micro_batch_size or per_rank)
-            take = min(per_rank, math.ceil(max(micro, 2) / t.group_size) * t.group_size)
-            small = _one_step(traj[:take])
-            rewards = torch.linspace(0.0, 1.0, take)  # spread, so that group advantages are not all zero
-            scores = {"rewards": rewards, **{f"reward/{name}": rewards for name in run.reward_weights}}
-            with trace.phase("train"):
-                algorithm.update(group, small, scores, 0)
-            with trace.phase("rollout_after_update"):
-                del traj
-                traj = group.generate_sequences(rollout_request(cfg, algorithm, rank_prompts, window.masks(0), 0))
-            categories = _categories(worker)
-        blocks = adapter.fsdp_blocks()
-        block_bytes = max((_param_bytes(b) for b in blocks), default=0)
+    with _eager_loading(), tracing.shape_trace(allocation_unit=allocation_unit) as trace:
+        sizes = step_recipe(cfg, gpus, trace.phase, lambda adapter: tracing.memoised_forward(adapter, trace))
     phases = trace.phases
-    # the traced update ran `take` trajectories on one trained step; a step runs per_rank on every trained step
-    train_flops = phases["train"]["flops"] / take * per_rank * max(1, trained)
+    # the traced update ran `trained_samples` trajectories on one trained step; a step runs per_rank on every trained step
+    train_flops = phases["train"]["flops"] / sizes["trained_samples"] * sizes["per_rank"] * max(1, sizes["trained_steps"]) * sizes["levels"]
     return Trace(
-        phases=dict(phases), categories=categories, rollout_flops=phases["rollout"]["flops"], train_flops=train_flops, block_bytes=block_bytes,
-        images_per_rank=per_rank, trace_s=time.perf_counter() - start,
+        phases=dict(phases), categories=sizes["categories"], rollout_flops=phases["rollout"]["flops"], train_flops=train_flops,
+        block_bytes=sizes["block_bytes"], images_per_rank=sizes["per_rank"], trace_s=time.perf_counter() - start,
     )
 
 
@@ -226,7 +249,10 @@ def _trained_steps(traj) -> int:
 
 
 def _one_step(traj):
-    """``traj`` with only its first trained step kept (its other masks unchanged)."""
+    """``traj`` with only its first trained step kept (its other masks unchanged); as it is when no step is
+    trained (objectives on the clean samples: NFT, AWM, DGPO, whose levels are inside the traced update)."""
+    if _trained_steps(traj) == 0:
+        return traj
     traj = traj.clone(recurse=False)
     mask = traj["sde_mask"].clone()
     first = int(mask[0].nonzero()[0]) if mask.ndim == 2 else int(mask.nonzero()[0])
@@ -239,29 +265,35 @@ def _one_step(traj):
 def per_rank(tr: Trace, cfg, gpus: int) -> dict:
     """Per-rank peak bytes by phase and by category, FSDP2 sharding over ``gpus`` applied to the traced
     single-rank numbers: sharded state ``1/N`` (on the host with ``model.param_offload``) plus two whole
-    blocks gathered for prefetch."""
-    c = dict(tr.categories)
-    sharded_keys = ("weights", "trainable", "gradients", "optimizer", "other_adapters", "reference_copy")
-    sharded = cfg.model.fsdp and gpus > 1
-    full = sum(c[k] for k in sharded_keys)
-    if sharded:
-        keep = 0.0 if cfg.model.param_offload else 1.0 / gpus
-        resident = {k: c[k] * keep for k in sharded_keys}
-        resident["fsdp_gathered_blocks"] = 2 * tr.block_bytes
-    else:
-        resident = {k: c[k] for k in sharded_keys}
-        resident["fsdp_gathered_blocks"] = 0
+    blocks gathered for prefetch. The optimizer's states exist from the first update on, the gradients during
+    it: their share is moved only in the phases that hold them."""
+    c = tr.categories
+    sharded = bool(cfg.model.fsdp) and gpus > 1
+    keep = (0.0 if cfg.model.param_offload else 1.0 / gpus) if sharded else 1.0
+    static = ("weights", "trainable", "other_adapters", "reference_copy")
+    resident = {k: c[k] * keep for k in (*static, "optimizer", "gradients")}
+    resident["fsdp_gathered_blocks"] = 2 * tr.block_bytes if sharded else 0
     resident["vae"], resident["text_encoders"] = c["vae"], c["text_encoders"]
-    shift = sum(resident[k] for k in sharded_keys) + resident["fsdp_gathered_blocks"] - full  # traced with everything whole
+    shift = sum(c[k] for k in static) * (keep - 1.0) + resident["fsdp_gathered_blocks"]
     phases = {}
     for name, p in tr.phases.items():
         if name == "build":
             continue
-        grads = c["gradients"] if name == "train" else 0  # freed by zero_grad after the step
-        gshift = (grads * (1.0 / gpus if sharded and not cfg.model.param_offload else 0.0 if sharded else 1.0) - grads)
-        phases[name] = max(0.0, p["peak_bytes"] + shift + gshift)
+        moved = shift
+        if name == "train":
+            moved += c["gradients"] * (keep - 1.0)
+        if name == "rollout_after_update":
+            moved += c["optimizer"] * (keep - 1.0)
+        phases[name] = max(0.0, p["peak_bytes"] + moved)
     peak_phase = max(phases, key=phases.get)
     return {"phases": phases, "peak_bytes": phases[peak_phase], "peak_phase": peak_phase, "resident": resident, "sharded": sharded}
+
+
+def _state_bytes(tr: Trace, cfg, gpus: int) -> float:
+    """Bytes per rank that no micro-batch change lowers: the (sharded) weights, adapters, optimizer states, VAE
+    and text encoders."""
+    r = per_rank(tr, cfg, gpus)["resident"]
+    return sum(v for k, v in r.items() if k != "gradients")  # (gradients live only during the update)
 
 
 def mfu_for(shape: str, compiled: bool, mfu: float | None) -> tuple[float, float, str]:
@@ -271,7 +303,7 @@ def mfu_for(shape: str, compiled: bool, mfu: float | None) -> tuple[float, float
         if not 0 < mfu <= 1:
             raise PlanError(f"--mfu must be in (0, 1], got {mfu}")
         return mfu, mfu, "--mfu"
-    base = PARENT_SHAPES.get(shape, shape)
+    base = parent_shape_name(shape)
     for key in ((base, compiled), (base, not compiled)):
         if key in MEASURED_MFU:
             r, t, source = MEASURED_MFU[key]
@@ -293,32 +325,45 @@ def estimate(tr: Trace, cfg, shape: str, gpus: int, peak_flops: float, mfu: floa
             "rollout_s": rollout_s, "train_s": train_s, "step_s": step_s, "images_per_s": images / step_s, "images_per_step": images}
 
 
-def candidates(cfg, gpus: int) -> list[tuple[str, list[str], int]]:
-    """Changes that lower the peak, cheapest first: ``(what, overrides, gpus)``."""
+TRAIN_PHASES = ("train",)
+ROLLOUT_PHASES = ("rollout", "rollout_after_update")
+
+
+def candidates(cfg, gpus: int) -> list[tuple[str, list[str], int, tuple]]:
+    """Changes that lower the peak, cheapest first: ``(what, overrides, gpus, phases it lowers)`` (an empty
+    tuple: every phase)."""
     out = []
     t, a, m = cfg.trainer, cfg.algorithm, cfg.model
     per_rank = t.prompts_per_step * t.group_size // gpus
     micro = int(a.micro_batch_size or per_rank)
-    while micro > 1:
-        micro //= 2
-        out.append((f"training micro-batch {micro}", [f"algorithm.micro_batch_size={micro}"], gpus))
+    for _ in range(3):  # halving up to three times (then ÷8)
+        if micro > 1:
+            micro //= 2
+            out.append((f"training micro-batch {micro}", [f"algorithm.micro_batch_size={micro}"], gpus, TRAIN_PHASES))
     chunk = int(cfg.sampler.micro_batch_size or per_rank)
-    while chunk > 1:
-        chunk //= 2
-        out.append((f"rollout micro-batch {chunk}", [f"sampler.micro_batch_size={chunk}"], gpus))
+    for _ in range(3):
+        if chunk > 1:
+            chunk = max(1, chunk // (2 if chunk <= 64 else 4))
+            out.append((f"rollout micro-batch {chunk}", [f"sampler.micro_batch_size={chunk}"], gpus, ROLLOUT_PHASES))
     if not m.activation_checkpointing or int(m.checkpoint_every) > 1:
-        out.append(("activation checkpointing of every block", ["model.activation_checkpointing=true", "model.checkpoint_every=1"], gpus))
-    options = m.get("options") or {}
+        out.append(("activation checkpointing of every block", ["model.activation_checkpointing=true", "model.checkpoint_every=1"], gpus, TRAIN_PHASES))
+    options = dict(m.options or {})
     if options.get("cfg_mode") == "batched":
-        out.append(("CFG as two forwards (cfg_mode=split)", ["+model.options.cfg_mode=split"], gpus))
+        out.append(("CFG as two forwards (cfg_mode=split)", ["+model.options.cfg_mode=split"], gpus, ()))
     if not options.get("drop_text_encoders", False):
-        out.append(("drop the text encoders after caching the prompts", ["+model.options.drop_text_encoders=true"], gpus))
+        out.append(("drop the text encoders after caching the prompts", ["+model.options.drop_text_encoders=true"], gpus, ()))
     if int(t.rollout_replicas):
-        out.append(("rollouts on the actor ranks (no replicas)", ["trainer.rollout_replicas=0", "trainer.max_staleness=0"], gpus))
+        out.append(("rollouts on the actor ranks (no replicas)", ["trainer.rollout_replicas=0", "trainer.max_staleness=0"], gpus, ()))
+    memory = [c for c in out if c[3]]  # every knob of this rank count at its smallest, together
+    if len({c[3] for c in memory}) > 1:
+        last = {}
+        for c in memory:
+            last[c[1][0].split("=")[0]] = c
+        out.append(("together: " + ", ".join(c[0] for c in last.values()), [o for c in last.values() for o in c[1]], gpus, ()))
     batch, n = t.prompts_per_step * t.group_size, gpus * 2
     while n <= 64:
         if batch % n == 0 and (a.mini_batch_size or batch) % n == 0:
-            out.append((f"{n} GPUs (FSDP2)", ["model.fsdp=true"], n))
+            out.append((f"{n} GPUs (FSDP2)", ["model.fsdp=true"], n, ()))
         n *= 2
     return out
 
@@ -342,8 +387,21 @@ def plan(overrides: list[str], *, gpus: int = 1, gpu: str = "h100", gpu_memory_g
     if recommend and not result["fits"]:
         result["recommendation"] = None
         tried = []
-        base = [o for o in overrides]
-        for what, extra, n in candidates(cfg, gpus)[:8]:
+        base = list(overrides)
+        for what, extra, n, lowers in candidates(cfg, gpus):
+            state = _state_bytes(tr, cfg, n) / GiB
+            if state > budget_gb:  # no re-plan: the sharded state alone does not fit
+                tried.append({"change": what, "gpus": n, "peak_gib": state, "note": "its weights and optimizer state alone exceed the budget"})
+                continue
+            if "drop_text_encoders" in extra[0] and (rank["peak_bytes"] - tr.categories["text_encoders"]) / GiB > budget_gb:
+                tried.append({"change": what, "gpus": n, "peak_gib": (rank["peak_bytes"] - tr.categories["text_encoders"]) / GiB,
+                              "note": "it frees only the text encoders' weights"})
+                continue
+            untouched = {k: v / GiB for k, v in rank["phases"].items() if lowers and k not in lowers}
+            if untouched and max(untouched.values()) > budget_gb:  # no re-plan: a phase it does not change is over
+                worst = max(untouched, key=untouched.get)
+                tried.append({"change": what, "gpus": n, "peak_gib": untouched[worst], "note": f"the {worst} phase, which it does not change, needs more"})
+                continue
             try:
                 sub = plan([*base, *extra], gpus=n, gpu=gpu, gpu_memory_gb=budget_gb, mfu=mfu, peak_tflops=peak_tflops, recommend=False)
             except ValueError as exc:
@@ -357,6 +415,13 @@ def plan(overrides: list[str], *, gpus: int = 1, gpu: str = "h100", gpu_memory_g
     return result
 
 
+def _flops(x: float) -> str:
+    for unit, scale in (("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9)):
+        if x >= scale:
+            return f"{x / scale:.1f} {unit}"
+    return f"{x / 1e6:.1f} MFLOP"
+
+
 def report(r: dict) -> str:
     """The plan as text."""
     lines = [
@@ -365,19 +430,53 @@ def report(r: dict) -> str:
         + (" (FSDP2-sharded)" if r["fsdp_sharded"] else ""),
         "  by phase: " + ", ".join(f"{k} {v:.2f}" for k, v in r["phases_gib"].items()) + " GiB",
         "  resident: " + ", ".join(f"{k} {v:.2f}" for k, v in r["resident_gib"].items() if v) + " GiB; the rest of a phase's peak is activations and rollout buffers",
-        f"  one RL step: {r['images_per_step']} images, rollout {r['rollout_flops'] / 1e15:.1f} PFLOP + update {r['train_flops'] / 1e15:.1f} PFLOP per GPU",
+        f"  one RL step: {r['images_per_step']} images, rollout {_flops(r['rollout_flops'])} + update {_flops(r['train_flops'])} per GPU",
         f"  at MFU {r['rollout_mfu']:.2f} (rollout) / {r['train_mfu']:.2f} (update) [{r['mfu_source']}]: "
-        f"{r['step_s']:.1f} s per step ({r['rollout_s']:.1f} + {r['train_s']:.1f}), {r['images_per_s']:.2f} images/s",
+        f"{r['step_s']:.3g} s per step ({r['rollout_s']:.3g} + {r['train_s']:.3g}), {r['images_per_s']:.3g} images/s",
         f"  not counted: {r['not_counted']}; traced in {r['trace_seconds']:.0f} s",
     ]
     if "recommendation" in r:
         rec = r["recommendation"]
         if rec:
-            lines.append(f"  cheapest change that fits: {rec['change']} ({' '.join(rec['overrides'])}{'' if rec['gpus'] == r['gpus'] else f' --gpus {rec[chr(103) + chr(112) + chr(117) + chr(115)]}'}) "
-                         f"→ {rec['peak_gib']:.2f} GiB, {rec['step_s']:.1f} s per step")
+            more = "" if rec["gpus"] == r["gpus"] else f" --gpus {rec['gpus']}"
+            lines.append(f"  cheapest change that fits: {rec['change']} ({' '.join(rec['overrides'])}{more}) → {rec['peak_gib']:.2f} GiB, "
+                         f"{rec['step_s']:.3g} s per step")
         else:
             lines.append("  nothing tried fits: " + "; ".join(f"{t['change']} {t.get('peak_gib', float('nan')):.1f} GiB" for t in r.get("tried", [])))
     return "\n".join(lines)
+
+
+def gpu_kind(device_name: str) -> str:
+    """The :data:`GPUS` kind of a CUDA device name (``NVIDIA H100 80GB HBM3`` → ``h100``; unknown → ``h100``,
+    whose peak is the dense bf16 rate of the current generation)."""
+    name = device_name.lower().replace(" ", "")
+    for kind in sorted(GPUS, key=len, reverse=True):
+        if kind.split("-")[0] in name:
+            return kind
+    return "h100"
+
+
+def preflight(overrides: list[str], cfg, *, memory_gib: float | None = None, device_name: str | None = None) -> str | None:
+    """``diffrl train``'s check before a GPU run (``trainer.plan_check``): the warning to print when the plan's
+    peak exceeds the device's memory (``memory_gib``, default CUDA device 0's), else None. A recipe the planner
+    cannot plan is not refused either: the warning says so."""
+    if not cfg.trainer.plan_check or not str(cfg.model.device).startswith("cuda"):
+        return None
+    if memory_gib is None:
+        if not torch.cuda.is_available():
+            return None
+        props = torch.cuda.get_device_properties(0)
+        memory_gib, device_name = props.total_memory / GiB, props.name
+    try:
+        r = plan(overrides, gpus=int(cfg.trainer.num_workers), gpu=gpu_kind(device_name or ""), gpu_memory_gb=memory_gib)
+    except ValueError as exc:
+        return f"diffrl: warning: the plan check could not plan this recipe ({exc}); training anyway (trainer.plan_check=false skips the check)"
+    if r["fits"]:
+        return None
+    rec = r.get("recommendation")
+    fix = f"; the cheapest change that fits: {rec['change']} ({' '.join(rec['overrides'])})" if rec else "; no single change tried fits"
+    return (f"diffrl: warning: diffrl plan puts this run's peak at {r['peak_gib']:.1f} GiB per GPU ({r['peak_phase']}), above the device's "
+            f"{memory_gib:.1f} GiB{fix}; training anyway (trainer.plan_check=false skips the check)")
 
 
 def add_parser(sub) -> dict:
@@ -404,5 +503,5 @@ def run_plan(args) -> int:
     return 0
 
 
-__all__ = ["GPUS", "MEASURED_MFU", "PlanError", "Trace", "add_parser", "estimate", "gpu_spec", "mfu_for", "per_rank", "plan", "plan_config", "report",
+__all__ = ["GPUS", "gpu_kind", "preflight", "MEASURED_MFU", "PlanError", "Trace", "add_parser", "estimate", "gpu_spec", "mfu_for", "per_rank", "plan", "plan_config", "report",
            "shape_of", "trace_recipe"]
