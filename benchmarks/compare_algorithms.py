@@ -34,18 +34,15 @@ from diffrl.sampling.evaluation import run_paired_change
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# every digits recipe of one algorithm (configs/experiment/digits_<name>.yaml; the miniatures with their own
+# benchmarks, compose and edit, aside), plus Flow-GRPO with its KL; a new algorithm's recipe joins by existing
 RECIPES = {
-    "flow_grpo": ["experiment=digits_flow_grpo"],
-    "flow_grpo_kl": ["experiment=digits_flow_grpo", "algorithm.kl_beta=0.04", "algorithm.name=flow_grpo_kl"],
-    "flow_grpo_fast": ["experiment=digits_flow_grpo_fast"],
-    "mixgrpo": ["experiment=digits_mixgrpo"],
-    "grpo_guard": ["experiment=digits_grpo_guard"],
-    "dance_grpo": ["experiment=digits_dance_grpo"],
-    "dpo": ["experiment=digits_dpo"],
-    "nft": ["experiment=digits_nft"],
-    "awm": ["experiment=digits_awm"],
-    "ddpo": ["experiment=digits_ddpo"],  # JPEG compressibility on digits_eps; gold shows what it costs in content
+    name: [f"experiment=digits_{name}"]
+    for name in sorted(p.stem[len("digits_"):] for p in (ROOT / "configs" / "experiment").glob("digits_*.yaml"))
+    if not name.startswith(("compose_", "edit_"))
 }
+RECIPES["flow_grpo_kl"] = ["experiment=digits_flow_grpo", "algorithm.kl_beta=0.04", "algorithm.name=flow_grpo_kl"]
+# ddpo runs JPEG compressibility on digits_eps: gold shows what it costs in content
 
 
 def run_one(name: str, overrides: list[str], out: Path, threads: int, reuse: Path | None = None) -> dict:

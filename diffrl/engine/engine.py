@@ -340,11 +340,17 @@ class DiffusionEngine:
         Per-step losses (``make_step_loss``) run over the trajectories × their trained steps; objectives
         with ``micro_losses`` (NFT, DPO) yield their own pieces. Each piece's loss is weighted by its
         share of the batch, so the update equals the mean over all rows whatever the micro-batch size.
-        ``seed`` seeds the noise of objectives that draw it (with each sample's seed).
+        ``seed`` seeds the noise of objectives that draw it (with each sample's seed). An objective with
+        ``prepare_batch(engine, batch, seed) -> batch`` sees the whole batch first, gradient-free (e.g. DGPO's
+        group weights, which need every member of a group before any micro-batch's gradient).
         """
         if loss_fn is None:
             raise RuntimeError("no loss function set: call set_loss_fn first")
         self.initialize()
+        prepare = getattr(loss_fn, "prepare_batch", None)
+        if prepare is not None:
+            with torch.no_grad():
+                batch = prepare(self, batch, seed)
         self.module.train()
         sums: dict[str, float] = defaultdict(float)
         loss_total = 0.0
