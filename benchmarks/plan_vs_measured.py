@@ -26,7 +26,10 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import gpu_scale  # noqa: E402
 
+from diffrl.engine.trace import shape_trace  # noqa: E402
 from diffrl.tools.plan import GiB, per_rank, plan_config, trace_recipe  # noqa: E402
+from pipelines import build_adapter  # noqa: E402
+from pipelines.base import family_class  # noqa: E402
 
 MODEL_GROUP = {"sd3": "sd3_tiny", "flux": "flux_tiny", "qwen_image": "qwen_image_tiny", "wan": "wan_tiny"}
 
@@ -78,8 +81,6 @@ def overrides_of(s: dict, prompts_file: str | None) -> list[str]:
 
 
 def _family_targets(family: str) -> list[str]:
-    from pipelines.base import family_class
-
     return list(family_class(family).lora_target_modules)
 
 
@@ -87,9 +88,6 @@ def prompts_for(s: dict, folder: Path) -> str | None:
     """Qwen-Image runs used prompts of exactly ``n_text`` tokens: write the same prompts to a file."""
     if not s.get("n_text"):
         return None
-    from diffrl.engine.trace import shape_trace
-    from pipelines import build_adapter
-
     family = gpu_scale.SETTINGS[s["shape"]]["family"]
     with shape_trace():
         adapter = build_adapter(family, shape=s["shape"], dtype="bfloat16", device="cpu", drop_text_encoders=True)

@@ -105,6 +105,18 @@ def _accumulated_grads(objective, batch, micro_batch_size):
     return captured, out
 
 
+def assert_micro_batch_invariant(objective, batch):
+    """8 micro-batches of 1 and one batch of 8 give the same, non-zero gradient (fp32 tolerance); the two
+    engines' ``train_batch`` outputs ``(whole, split)``."""
+    whole, out_whole = _accumulated_grads(objective, batch, None)
+    split, out_split = _accumulated_grads(objective, batch, 1)
+    assert whole.keys() == split.keys() and whole
+    assert any(g.abs().max() > 0 for g in whole.values())
+    for name in whole:
+        torch.testing.assert_close(split[name], whole[name], rtol=1e-4, atol=1e-7)
+    return out_whole, out_split
+
+
 @pytest.mark.parametrize("which", ["flow_grpo", "grpo_guard", "nft", "dpo", "awm"])
 def test_gradient_accumulation_invariance(tiny_adapter, which):
     """8 micro-batches of 1, accumulated, give the gradient of one batch of 8 (fp32 tolerance)."""
@@ -127,12 +139,7 @@ def test_gradient_accumulation_invariance(tiny_adapter, which):
         batch = torch.cat([pairs, pairs])  # 4 pairs
         batch["seeds"] = torch.arange(4)
         objective = DPOObjective(dpo_beta=50.0, num_timesteps=2)
-    whole, out_whole = _accumulated_grads(objective, batch, None)
-    split, out_split = _accumulated_grads(objective, batch, 1)
-    assert whole.keys() == split.keys() and whole
-    assert any(g.abs().max() > 0 for g in whole.values())
-    for name in whole:
-        torch.testing.assert_close(split[name], whole[name], rtol=1e-4, atol=1e-7)
+    out_whole, out_split = assert_micro_batch_invariant(objective, batch)
     assert out_split["loss"] == pytest.approx(out_whole["loss"], rel=1e-5, abs=1e-7)
 
 
