@@ -50,11 +50,13 @@ def fp8_linear(x: torch.Tensor, weight_q: torch.Tensor, weight_scale: torch.Tens
     x_scale = rowwise_scale(rows)
     x_q = quantize(rows, x_scale)
     if kernel == "scaled_mm":
-        out = torch._scaled_mm(x_q, weight_q.t(), scale_a=x_scale, scale_b=weight_scale.t(), out_dtype=torch.float32)
+        # CUDA's rowwise-scaled kernel writes bfloat16 only (accumulating in float32); torch's CPU kernel writes float32
+        out_dtype = torch.bfloat16 if x_q.is_cuda else torch.float32
+        out = torch._scaled_mm(x_q, weight_q.t(), scale_a=x_scale, scale_b=weight_scale.t().contiguous(), out_dtype=out_dtype)
     else:
         out = (x_q.float() * x_scale) @ (weight_q.float() * weight_scale).t()
     if bias is not None:
-        out = out + bias.float()
+        out = out.float() + bias.float()
     return out.to(x.dtype).reshape(*x.shape[:-1], weight_q.shape[0])
 
 
@@ -92,9 +94,11 @@ def fp8_linears(module: nn.Module, kernel: str = "auto") -> Iterator[int]:
             w = layer.weight.detach()
             scale = rowwise_scale(w)
             q, b = quantize(w, scale), layer.bias
+            # the FP8 tensor cores take sizes in multiples of 16; another layer gets the same formula emulated
+            own = chosen if chosen == "emulate" or (layer.in_features % 16 == 0 and layer.out_features % 16 == 0) else "emulate"
 
-            def forward(x, q=q, scale=scale, b=b):
-                return fp8_linear(x, q, scale, b, chosen)
+            def forward(x, q=q, scale=scale, b=b, own=own):
+                return fp8_linear(x, q, scale, b, own)
 
             layer.forward = forward  # an instance attribute shadows the class's forward until it is deleted
         yield len(layers)
