@@ -63,9 +63,14 @@ from rewards.base import build_reward, score  # noqa: E402
 
 # per shape: family, image size, CFG scale, LoRA targets beyond attention; tiny_* are CPU smoke tests
 QWEN_MLP = ["img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2"]
+FLUX_MLP = ["ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2", "proj_mlp", "proj_out"]
 SETTINGS = {
     "qwen_image": dict(family="qwen_image", height=512, width=512, cfg=4.0, mlp=QWEN_MLP),
-    "flux_dev": dict(family="flux", height=512, width=512, cfg=3.5, mlp=["ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2", "proj_mlp", "proj_out"]),
+    "flux_dev": dict(family="flux", height=512, width=512, cfg=3.5, mlp=FLUX_MLP),
+    # editing models (issue 38 item 3): a source image per prompt enters as context tokens (Qwen-Image-Edit's text
+    # encoder reads it too, so its prompts are encoded in the rollout, not cached); Kontext's distilled guidance 2.5
+    "qwen_image_edit": dict(family="qwen_image_edit", height=512, width=512, cfg=4.0, mlp=QWEN_MLP, edit=True),
+    "flux_kontext": dict(family="flux_kontext", height=512, width=512, cfg=2.5, mlp=FLUX_MLP, edit=True),
     "sd35_large": dict(family="sd3", height=512, width=512, cfg=4.5, mlp=["ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2"]),
     "sd35_medium": dict(family="sd3", height=512, width=512, cfg=4.5, mlp=["ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2"]),
     "wan21_14b": dict(family="wan", height=480, width=832, frames=33, cfg=5.0, mlp=["ffn.net.0.proj", "ffn.net.2"]),
@@ -73,6 +78,8 @@ SETTINGS = {
     "tiny_sd3": dict(family="sd3", shape="tiny", height=32, width=32, cfg=4.5, mlp=["ff.net.0.proj", "ff.net.2"]),
     "tiny_flux": dict(family="flux", shape="tiny", height=32, width=32, cfg=3.5, mlp=["ff.net.0.proj", "ff.net.2"]),
     "tiny_qwen_image": dict(family="qwen_image", shape="tiny", height=32, width=32, cfg=4.0, mlp=QWEN_MLP),
+    "tiny_qwen_image_edit": dict(family="qwen_image_edit", shape="tiny", height=32, width=32, cfg=4.0, mlp=QWEN_MLP, edit=True),
+    "tiny_flux_kontext": dict(family="flux_kontext", shape="tiny", height=32, width=32, cfg=2.5, mlp=["ff.net.0.proj", "ff.net.2"], edit=True),
     "tiny_wan": dict(family="wan", shape="tiny", height=32, width=32, frames=5, cfg=5.0, mlp=["ffn.net.0.proj", "ffn.net.2"]),
 }
 # verl-omni examples/flowgrpo_trainer/qwen_image/run_qwen_image_ocr_lora.sh
@@ -145,9 +152,18 @@ def window_mask(k: int, window: int, lo: int, hi: int, rng: torch.Generator) -> 
     return mask
 
 
-def rollout(adapter, settings, prompts, group, seed, window, window_range, micro, reward=None):
+def source_images(n: int, height: int, width: int, seed: int) -> torch.Tensor:
+    """``n`` uint8 ``[3, H, W]`` source images for an editing model: smooth random colour fields (a 4×4 grid of random
+    colours upsampled bilinearly), one per prompt, fixed by ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    grid = torch.rand(n, 3, 4, 4, generator=g)
+    return (torch.nn.functional.interpolate(grid, size=(height, width), mode="bilinear", align_corners=False) * 255).round().to(torch.uint8)
+
+
+def rollout(adapter, settings, prompts, group, seed, window, window_range, micro, reward=None, sources=None):
     """One Flow-GRPO-Fast rollout: groups of ``group`` images per prompt sharing their initial noise, scored by
-    ``reward`` (``(name, fn)``: a registered reward, its seconds in ``td["reward_seconds"]``; ``None``: brightness)."""
+    ``reward`` (``(name, fn)``: a registered reward, its seconds in ``td["reward_seconds"]``; ``None``: brightness);
+    ``sources``: an editing model's uint8 source image per prompt (each group edits its prompt's source)."""
     adapter.denoiser.eval()
     rng = torch.Generator().manual_seed(seed)
     mask = window_mask(settings.num_steps, window, *window_range, rng) if window else None
@@ -155,7 +171,8 @@ def rollout(adapter, settings, prompts, group, seed, window, window_range, micro
     seeds = [derive(seed, Stream.ROLLOUT, 0, i, 0) for i in range(len(flat))]
     init = [derive(seed, Stream.ROLLOUT, 0, i // group, 1) for i in range(len(flat))]
     gid = torch.arange(len(flat)) // group
-    td = sample_trajectories(adapter, flat, settings=settings, seeds=seeds, sde_mask=mask, init_seeds=init, group_id=gid, micro_batch_size=micro)
+    src = None if sources is None else sources.repeat_interleave(group, dim=0)
+    td = sample_trajectories(adapter, flat, settings=settings, seeds=seeds, sde_mask=mask, init_seeds=init, group_id=gid, micro_batch_size=micro, source_images=src)
     if reward is None:
         rewards = td["images"].float().mean(dim=tuple(range(1, td["images"].ndim))) / 255.0  # brightness: a cheap stand-in reward
     else:  # a real reward's work in the loop; the OCR reward reads its targets from the metadata (the prompts quote none)
@@ -276,8 +293,11 @@ def measure(args, label: str, compile_on: bool, results: dict):
     r = results.setdefault("variants", {}).setdefault(label, {})
     mem = Memory(device)
     r["memory"] = mem.phases
+    edit = s.get("edit", False)  # Qwen-Image-Edit's text encoder reads the source image: it stays and runs in the rollout
     kwargs = dict(shape=s.get("shape", args.shape), dtype=args.dtype, device=device, drop_text_encoders=True, decode_chunk=args.decode_chunk, cfg_mode=args.cfg_mode)
-    if s["family"] == "flux":
+    if edit:
+        kwargs.pop("drop_text_encoders")
+    if s["family"] in ("flux", "flux_kontext"):
         kwargs.pop("cfg_mode")
     if "frames" in s:
         kwargs["num_frames"] = args.frames or s["frames"]
@@ -288,9 +308,12 @@ def measure(args, label: str, compile_on: bool, results: dict):
     r["transformer_params_b"] = sum(p.numel() for p in adapter.denoiser.parameters()) / 1e9
     print(f"[{label}] built {r['transformer_params_b']:.2f} B in {r['build_s']:.1f} s; {mem.phases}", flush=True)
     prompts = prompts_of_length(adapter, args.batch // args.group, args.n_text)
-    with mem.phase("text_encode"):
-        adapter.cache_prompts(prompts)
-    cond = adapter.encode_prompts(prompts[:1])
+    sources = source_images(len(prompts), s["height"], s["width"], args.seed) if edit else None
+    r["source_size"] = [s["height"], s["width"]] if edit else None
+    if not edit:
+        with mem.phase("text_encode"):
+            adapter.cache_prompts(prompts)
+    cond = adapter.encode_prompts(prompts[:1], sources[:1].float() / 255.0) if edit else adapter.encode_prompts(prompts[:1])
     r["n_text_tokens"] = int(cond["prompt_embeds_mask"].sum()) if "prompt_embeds_mask" in cond.keys() else int(cond["prompt_embeds"].shape[1])
 
     targets = list(adapter.lora_target_modules) + (list(s["mlp"]) if args.mlp else [])
@@ -316,7 +339,7 @@ def measure(args, label: str, compile_on: bool, results: dict):
 
     def roll(i):
         with torch.no_grad(), engine.rollout_weights():
-            td = rollout(adapter, settings, prompts, args.group, args.seed + i, args.window, args.window_range, args.rollout_micro, reward)
+            td = rollout(adapter, settings, prompts, args.group, args.seed + i, args.window, args.window_range, args.rollout_micro, reward, sources)
         if reward is not None:
             reward_times.append(td.get_non_tensor("reward_seconds"))
         return td
@@ -436,8 +459,8 @@ def measure_reference(args, label: str, results: dict):
     mem = Memory(device)
     r["memory"] = mem.phases
     kwargs = dict(shape=s.get("shape", args.shape), dtype=args.dtype, device=device, drop_text_encoders=True)
-    if "frames" in s:
-        raise ValueError(f"the reference variant measures image pipelines; shape {args.shape} is video")
+    if "frames" in s or s.get("edit"):
+        raise ValueError(f"the reference variant measures the text-to-image pipelines; shape {args.shape} is {'video' if 'frames' in s else 'an editing model'}")
     with mem.phase("build"):
         adapter = build_adapter(s["family"], **kwargs)
     prompts = prompts_of_length(adapter, args.batch // args.group, args.n_text)
