@@ -25,11 +25,10 @@ from typing import ClassVar
 import torch
 from tensordict import TensorDict
 
-from diffrl.algorithms.advantages import check_group_size
 from diffrl.algorithms.awm_loss import AWM_WEIGHTINGS, awm_loss
-from diffrl.algorithms.base import Algorithm, RolloutPlan, StepResult, register_algorithm, sample_only_plan
+from diffrl.algorithms.base import RolloutPlan, register_algorithm, sample_only_plan
 from diffrl.algorithms.objectives import renoised_clean_samples
-from diffrl.algorithms.policy_gradient import RewardAdvantages
+from diffrl.algorithms.policy_gradient import GroupAdvantageAlgorithm
 from diffrl.config import AlgorithmConfig, Check, at_least, one_of, positive
 from diffrl.sampling.schedules import WindowMasks
 
@@ -75,19 +74,15 @@ class AWMObjective:
 
 
 @register_algorithm("awm")
-class AWM(Algorithm):
+class AWM(GroupAdvantageAlgorithm):
     Config = AWMConfig
-
-    def __init__(self, config: AWMConfig, run):
-        super().__init__(config, run)
-        self.advantages = RewardAdvantages(config, run.reward_weights)
 
     def validate(self, num_workers: int) -> None:
         if self.config.awm_weighting not in AWM_WEIGHTINGS:
             raise ValueError(f"unknown algorithm.awm_weighting {self.config.awm_weighting!r}; choose one of {AWM_WEIGHTINGS}")
         if self.config.awm_num_timesteps < 1:
             raise ValueError(f"algorithm.awm_num_timesteps must be ≥ 1, got {self.config.awm_num_timesteps}")
-        check_group_size(self.run.group_size, f"algorithm={self.config.name}")
+        super().validate(num_workers)
 
     def objective(self):
         a = self.config
@@ -98,8 +93,3 @@ class AWM(Algorithm):
 
     def train_forwards(self, record: dict, trained_steps: int) -> tuple[int, int]:
         return self.run.prompts_per_step * self.run.group_size * self.config.awm_num_timesteps, int(self.config.kl_beta > 0)
-
-    def update(self, workers, traj: TensorDict, scores: dict, step: int) -> StepResult:
-        traj["advantages"] = self.advantages(scores, traj["group_id"], list(traj.get("prompts").tolist()))
-        del traj["metrics"]
-        return StepResult(self.train_epochs(workers, traj, traj.shape[0], step), {"advantage_abs_mean": traj["advantages"].abs().mean().item()})

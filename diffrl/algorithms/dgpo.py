@@ -37,10 +37,9 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
-from diffrl.algorithms.advantages import check_group_size
-from diffrl.algorithms.base import Algorithm, RolloutPlan, StepResult, register_algorithm, sample_only_plan
+from diffrl.algorithms.base import RolloutPlan, register_algorithm, sample_only_plan
 from diffrl.algorithms.objectives import renoised_clean_samples
-from diffrl.algorithms.policy_gradient import RewardAdvantages
+from diffrl.algorithms.policy_gradient import GroupAdvantageAlgorithm
 from diffrl.config import AlgorithmConfig, Check, at_least, positive
 from diffrl.engine import parallel
 from diffrl.sampling.schedules import WindowMasks
@@ -146,15 +145,8 @@ class DGPOObjective:
 
 
 @register_algorithm("dgpo")
-class DGPO(Algorithm):
+class DGPO(GroupAdvantageAlgorithm):
     Config = DGPOConfig
-
-    def __init__(self, config: DGPOConfig, run):
-        super().__init__(config, run)
-        self.advantages = RewardAdvantages(config, run.reward_weights)
-
-    def validate(self, num_workers: int) -> None:
-        check_group_size(self.run.group_size, f"algorithm={self.config.name}")
 
     def objective(self):
         a = self.config
@@ -167,9 +159,7 @@ class DGPO(Algorithm):
         # the gradient pass per sample and level; gradient-free: the policy and the reference for the group weights (+ KL)
         return self.run.prompts_per_step * self.run.group_size * self.config.dgpo_num_timesteps, 2 + int(self.config.kl_beta > 0)
 
-    def update(self, workers, traj: TensorDict, scores: dict, step: int) -> StepResult:
-        c = self.config.adv_clip_max
-        advantages = self.advantages(scores, traj["group_id"], list(traj.get("prompts").tolist()))
-        traj["advantages"] = advantages.clamp(-c, c) if c else advantages
-        del traj["metrics"]
-        return StepResult(self.train_epochs(workers, traj, traj.shape[0], step), {"advantage_abs_mean": traj["advantages"].abs().mean().item()})
+    def rollout_advantages(self, traj: TensorDict, scores: dict) -> torch.Tensor:
+        c = self.config.adv_clip_max  # clipped again after summing per-reward advantages (reward_aggregation=sum_advantages)
+        advantages = super().rollout_advantages(traj, scores)
+        return advantages.clamp(-c, c) if c else advantages

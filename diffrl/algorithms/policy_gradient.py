@@ -77,6 +77,28 @@ class RewardAdvantages:
             self.tracker.load_state_dict(state["tracker"])
 
 
+class GroupAdvantageAlgorithm(Algorithm):
+    """An algorithm trained once per rollout on its group-relative advantages (:class:`RewardAdvantages`, clipped to
+    ``±adv_clip_max``), in ``algorithm.epochs`` passes of mini-batches: AWM, DGPO, Flow-DPPO. A subclass gives its
+    ``Config``, ``objective`` and ``rollout_plan``; ``validate`` refuses groups of one (no group statistics)."""
+
+    def __init__(self, config: AlgorithmConfig, run):
+        super().__init__(config, run)
+        self.advantages = RewardAdvantages(config, run.reward_weights)
+
+    def validate(self, num_workers: int) -> None:
+        check_group_size(self.run.group_size, f"algorithm={self.config.name}")
+
+    def rollout_advantages(self, traj: TensorDict, scores: dict) -> torch.Tensor:
+        """``[B]`` advantages of the rollout's samples."""
+        return self.advantages(scores, traj["group_id"], list(traj.get("prompts").tolist()))
+
+    def update(self, workers, traj: TensorDict, scores: dict, step: int) -> StepResult:
+        traj["advantages"] = self.rollout_advantages(traj, scores)
+        del traj["metrics"]
+        return StepResult(self.train_epochs(workers, traj, traj.shape[0], step), {"advantage_abs_mean": traj["advantages"].abs().mean().item()})
+
+
 @register_algorithm("policy_gradient")
 class PolicyGradient(Algorithm):
     Config = PolicyGradientConfig
