@@ -120,11 +120,11 @@ def test_registered_with_its_own_keys_and_one_line_errors(tmp_path, capsys):
 
 @pytest.mark.recipe
 def test_digits_flow_dppo_raises_gold_accuracy_in_a_short_run(tmp_path):
-    """30 steps of the recipe (of its 100): gold accuracy on the 60 prompts × 1 held-out seed rises by ≥ 10 points,
+    """20 steps of the recipe (of its 100): gold accuracy on the 60 prompts × 1 held-out seed rises by ≥ 10 points,
     and the mask acted (some sample-steps of the later optimizer steps were outside the trust region)."""
     out = tmp_path / "dppo"
-    assert main(["train", "experiment=digits_flow_dppo", "trainer.steps=30", "trainer.eval_every=30", "trainer.eval_seeds_per_prompt=1",
-                 "trainer.checkpoint_every=30", "trainer.progress=false", "trainer.wandb=disabled", f"trainer.output_dir={out}"]) == 0
+    assert main(["train", "experiment=digits_flow_dppo", "trainer.steps=20", "trainer.eval_every=20", "trainer.eval_seeds_per_prompt=1",
+                 "trainer.checkpoint_every=20", "trainer.progress=false", "trainer.wandb=disabled", f"trainer.output_dir={out}"]) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["gold_accuracy_after"] - summary["gold_accuracy_before"] >= 0.10, summary
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
