@@ -138,6 +138,9 @@ class ModelAdapter(abc.ABC):
             Hub id (``org/name``) downloads only these (and ``model_index.json``), see :func:`resolve_model_path`.
         lora_pipeline, lora_component: the diffusers pipeline whose ``load_lora_weights`` reads the family's exported
             LoRA (``diffrl export-lora``) and the component its keys are prefixed with; ``None``: no diffusers format.
+        guidance_distilled: the guidance scale enters a guidance embedding and no unconditional branch runs (FLUX.1-dev,
+            Kontext); otherwise CFG with the negative embeddings.
+        tiny_size: the image side (pixels) the family's ``shape=tiny`` configuration samples at in tests and smoke runs.
     """
 
     prediction_type: str = "flow"
@@ -149,6 +152,8 @@ class ModelAdapter(abc.ABC):
     hub_components: tuple[str, ...] = ()
     lora_pipeline: str | None = None
     lora_component: str = "transformer"
+    guidance_distilled: bool = False
+    tiny_size: int = 32
     denoiser: nn.Module
 
     @abc.abstractmethod
@@ -307,6 +312,17 @@ def register_family(name: str):
         return cls
 
     return wrap
+
+
+def known_families() -> list[str]:
+    """Every registered family: each family package of ``pipelines`` (and each module of ``_FAMILY_MODULES``) is
+    imported, so a family added as a folder is listed without a list to edit, as are families registered elsewhere."""
+    for m in pkgutil.iter_modules([str(_PACKAGE_DIR)]):
+        if m.ispkg:
+            importlib.import_module(f"pipelines.{m.name}")
+    for module in _FAMILY_MODULES.values():
+        importlib.import_module(module)
+    return sorted(_FAMILIES)
 
 
 def family_class(family: str) -> type:

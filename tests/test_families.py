@@ -22,15 +22,16 @@ from helpers import make_engine
 from diffrl.config import SamplerConfig
 from diffrl.sampling.rollout import sample_trajectories
 from pipelines import build_adapter
-from pipelines.base import split_prompts
+from pipelines.base import family_class, known_families, split_prompts
 from tests.conftest import randomise_lora
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
-FAMILIES = ["digits", "sd15", "digits_eps", "sd3", "flux", "wan", "qwen_image", "qwen_image_edit", "flux_kontext"]
-SIZE = {"digits": 16, "digits_eps": 16, "sd15": 32, "sd3": 32, "flux": 32, "wan": 32, "qwen_image": 32, "qwen_image_edit": 32, "flux_kontext": 32}
-EPSILON = {"sd15", "digits_eps"}
-DISTILLED = {"flux", "flux_kontext"}  # FLUX.1-dev and Kontext are guidance-distilled: the guidance embedding, no CFG
+# every registered family (a family added as a folder joins the shared suite), with what the suite needs from its class
+FAMILIES = known_families()
+SIZE = {f: family_class(f).tiny_size for f in FAMILIES}
+EPSILON = {f for f in FAMILIES if family_class(f).prediction_type == "epsilon"}
+DISTILLED = {f for f in FAMILIES if family_class(f).guidance_distilled}  # the guidance embedding, no CFG
 CFG_FAMILIES = [f for f in FAMILIES if f not in DISTILLED]
 GUIDANCE = 3.0
 _BASE: dict[str, object] = {}

@@ -115,9 +115,10 @@ def test_trace_flops_closed_forms():
 
 
 def test_plan_against_the_h200_measurements(tmp_path):
-    """Every landed H200 run with a training measurement: the plan of the same configuration within ±15 % of the
-    measured peak, and its step time at the run's measured MFU within ±20 % of the measured one."""
-    rows = plan_vs_measured.measurements()
+    """One landed H200 run with a training measurement per model (``benchmarks/plan_vs_measured.py`` compares them
+    all): the plan of the same configuration within ±15 % of the measured peak, and its step time at the run's
+    measured MFU within ±20 % of the measured one."""
+    rows = list({row["shape"]: row for row in reversed(plan_vs_measured.measurements())}.values())  # each shape's first run
     assert len(rows) >= 5
     for row in rows:
         r = plan_vs_measured.compare(row, tmp_path)

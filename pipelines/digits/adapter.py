@@ -53,6 +53,7 @@ class DigitsAdapter(ModelAdapter):
 
     prediction_type = "flow"
     shift = 1.0
+    tiny_size = 16
     lora_target_modules = [
         "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
         "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",

@@ -59,6 +59,7 @@ class DigitsEpsAdapter(DDPMSchedule, ModelAdapter):
     """
 
     prediction_type = "epsilon"
+    tiny_size = 16
     lora_target_modules = ["to_q", "to_k", "to_v", "to_out.0"]
 
     def __init__(self, path: str | None = None, dtype: str = "float32", device: str = "cpu", seed: int = 0, cfg_mode: str = "split"):

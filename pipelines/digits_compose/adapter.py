@@ -47,6 +47,7 @@ class DigitsComposeAdapter(DigitsAdapter):
     """
 
     folder_name = "digits_compose"
+    tiny_size = CANVAS
     pretrain_script = "scripts/pretrain_digits_compose.py"
 
     transformer_config = TRANSFORMER_CONFIG

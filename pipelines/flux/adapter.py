@@ -129,6 +129,7 @@ class FluxAdapter(LatentFlowFamily):
     family = "FLUX"
     pipeline_class = "FluxPipeline"
     lora_pipeline = pipeline_class
+    guidance_distilled = True
     text_encoder_names = ("text_encoder", "text_encoder_2")
     tokenizer_names = ("tokenizer", "tokenizer_2")
     # the double-stream blocks' joint attention (image and context projections) and the single blocks' attention
