@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
-from tensordict import NonTensorStack, TensorDict
+from tensordict import TensorDict
 
 from diffrl import checkpoint
 from diffrl.algorithms import Algorithm, RunContext, build_algorithm
@@ -40,18 +40,10 @@ from diffrl.distributed.rollout import RolloutReplicas
 from diffrl.distributed.workers import ActorRolloutRefWorker, WorkerConfig
 from diffrl.logging import Progress, RunLogger
 from diffrl.recipes import Config, to_config, validate
-from diffrl.sampling.distribution import (
-    build_feature_space,
-    collapse_summary,
-    distribution_metrics,
-)
-from diffrl.sampling.evaluation import (
-    eval_prompts_and_seeds,
-    group_means,
-    per_sample_scores,
-    read_jsonl,
-    run_paired_change,
-)
+from diffrl.sampling.distribution import build_feature_space, collapse_summary
+from diffrl.sampling.evaluation import eval_prompts_and_seeds, read_jsonl, run_paired_change
+from diffrl.sampling.evaluator import Evaluator
+from diffrl.sampling.request import sample_batch
 from diffrl.sampling.schedules import TrainingWindow
 from diffrl.sampling.seeding import Stream, derive
 from diffrl.selection import Selection
@@ -142,27 +134,12 @@ def rollout_request(cfg: Config, algorithm: Algorithm, step_prompts: list, masks
     t = cfg.trainer
     prompts, sources = split_prompts(step_prompts)
     G = t.group_size
-    td = TensorDict(
-        {
-            "seeds": torch.tensor([derive(t.seed, Stream.ROLLOUT, step, j, s) for j in range(len(prompts)) for s in range(G)]),
-            "group_id": torch.arange(len(prompts)).repeat_interleave(G),
-        },
-        batch_size=[len(prompts) * G],
+    request = algorithm.rollout_plan(masks).request(int(cfg.sampler.micro_batch_size) if cfg.sampler.micro_batch_size else None)
+    return sample_batch(
+        [p for p in prompts for _ in range(G)], [derive(t.seed, Stream.ROLLOUT, step, j, s) for j in range(len(prompts)) for s in range(G)], request,
+        group_id=torch.arange(len(prompts)).repeat_interleave(G), source_images=None if sources is None else sources.repeat_interleave(G, dim=0),
+        init_seeds=[derive(t.seed, Stream.INITIAL_NOISE, step, j) for j in range(len(prompts)) for _ in range(G)] if cfg.sampler.same_initial_noise else None,
     )
-    td["prompts"] = NonTensorStack(*[p for p in prompts for _ in range(G)])
-    if sources is not None:
-        td["source_images"] = sources.repeat_interleave(G, dim=0)
-    if cfg.sampler.same_initial_noise:
-        td["init_seeds"] = torch.tensor([derive(t.seed, Stream.INITIAL_NOISE, step, j) for j in range(len(prompts)) for _ in range(G)])
-    plan = algorithm.rollout_plan(masks)
-    td.set_non_tensor("policy", plan.policy)
-    td.set_non_tensor("sde_mask", plan.trained)
-    td.set_non_tensor("stochastic_mask", plan.stochastic)
-    if plan.record_means:
-        td.set_non_tensor("record_means", True)
-    if cfg.sampler.micro_batch_size:
-        td.set_non_tensor("micro_batch_size", int(cfg.sampler.micro_batch_size))
-    return td
 
 
 def ema_decay(steps_done: int, decay: float) -> float:
@@ -354,26 +331,13 @@ class Trainer:
         """Deterministic samples of the held-out (prompt, seed) pairs, scored by every eval metric."""
         t, s = self.cfg.trainer, self.cfg.sampler
         records, seeds = eval_prompts_and_seeds(self.eval_prompts, t.eval_seeds_per_prompt, t.eval_seed)
-        prompts, sources = split_prompts(records)
-        start = time.perf_counter()
-        request = TensorDict({"seeds": torch.tensor(seeds), "group_id": torch.arange(len(seeds))}, batch_size=[len(seeds)])
-        request["prompts"] = NonTensorStack(*prompts)
-        if sources is not None:
-            request["source_images"] = sources
-        request.set_non_tensor("eval_num_steps", int(s.eval_num_steps))
-        if s.micro_batch_size:
-            request.set_non_tensor("micro_batch_size", int(s.micro_batch_size))
-        if t.ema:
-            request.set_non_tensor("policy", "ema")
-        images = self.workers.generate_sequences(request)["images"]
-        scores = per_sample_scores(images, prompts, self.eval_metrics, sources, sample_metadata(prompts, self.prompt_metadata, step=step))
-        metrics = {f"eval/{name}": float(values.mean()) for name, values in scores.items()}
-        metrics.update(group_means(scores, prompts, self.eval_metrics))  # per task type, for rewards with groups()
-        metrics.update(distribution_metrics(images, prompts, self.feature_space))  # diversity, near-duplicates, Fréchet
-        self.logger.log_eval_samples(step, images, prompts, seeds, scores, samples_per_prompt=t.eval_seeds_per_prompt, max_grid_images=t.max_grid_images,
-                                     source_images=sources)
-        metrics["eval/seconds"] = time.perf_counter() - start
-        return metrics
+        evaluator = Evaluator(self.eval_metrics, eval_num_steps=s.eval_num_steps, micro_batch_size=s.micro_batch_size, distribution=True,
+                              feature_space=self.feature_space)
+        metadata = sample_metadata(split_prompts(records)[0], self.prompt_metadata, step=step)
+        result = evaluator.run(self.workers.generate_sequences, records, seeds, policy="ema" if t.ema else "current", metadata=metadata)
+        self.logger.log_eval_samples(step, result.images, result.prompts, seeds, result.scores, samples_per_prompt=t.eval_seeds_per_prompt,
+                                     max_grid_images=t.max_grid_images, source_images=result.sources)
+        return result.metrics
 
     # -- the loop -------------------------------------------------------------------------------
     def fit(self) -> dict:

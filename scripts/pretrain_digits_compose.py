@@ -41,7 +41,8 @@ import torch
 import torch.nn.functional as F
 from diffusers import SD3Transformer2DModel
 
-from diffrl.sampling.evaluation import eval_prompts_and_seeds, evaluate
+from diffrl.sampling.evaluation import eval_prompts_and_seeds
+from diffrl.sampling.evaluator import evaluate
 from pipelines.digits_compose.adapter import TRANSFORMER_CONFIG, DigitsComposeAdapter
 from pipelines.schedules import logit_normal_sigmas
 from rewards.base import build_reward

@@ -31,7 +31,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from diffrl.sampling.evaluation import eval_prompts_and_seeds, evaluate
+from diffrl.sampling.evaluation import eval_prompts_and_seeds
+from diffrl.sampling.evaluator import evaluate
 from pipelines.digits_edit.adapter import DigitsEditAdapter
 from pipelines.schedules import logit_normal_sigmas
 from rewards.base import build_reward
@@ -71,7 +72,7 @@ def make_pairs(intensity: torch.Tensor, labels: torch.Tensor, batch_size: int, r
 
 @torch.no_grad()
 def evaluate_base(adapter: DigitsEditAdapter, metrics: dict, eval_seed: int = 1234, seeds_per_prompt: int = 4) -> dict:
-    """The trainer's evaluation (``diffrl.sampling.evaluation.evaluate``): the built-in prompts × held-out seeds,
+    """The trainer's evaluation (``diffrl.sampling.evaluator.evaluate``): the built-in prompts × held-out seeds,
     10 ODE steps, guidance 1; the means of ``metrics`` and the gold success split by instruction kind."""
     prompts, seeds = eval_prompts_and_seeds(adapter.default_prompts(), seeds_per_prompt, eval_seed)
     scores, images = evaluate(adapter, prompts, seeds=seeds, num_steps=10, guidance_scale=1.0, metrics=metrics)

@@ -6,7 +6,8 @@ import json
 
 import torch
 
-from diffrl.sampling.evaluation import eval_prompts_and_seeds, evaluate
+from diffrl.sampling.evaluation import eval_prompts_and_seeds
+from diffrl.sampling.evaluator import evaluate
 from pipelines.digits import ASSET_DIR, DigitsAdapter
 from rewards.base import build_reward
 from rewards.digits.classifiers import DigitsClassifier

@@ -10,7 +10,8 @@ import json
 import pytest
 import torch
 
-from diffrl.sampling.evaluation import eval_prompts_and_seeds, evaluate, score_images
+from diffrl.sampling.evaluation import eval_prompts_and_seeds, score_images
+from diffrl.sampling.evaluator import evaluate
 from pipelines.digits_compose import COMPOSE_ASSET_DIR, DigitsComposeAdapter
 from rewards.base import build_reward, call_reward
 from rewards.digits.compose import (

@@ -11,7 +11,8 @@ import torch
 from helpers import make_engine
 
 from diffrl.config import SamplerConfig
-from diffrl.sampling.evaluation import eval_prompts_and_seeds, evaluate
+from diffrl.sampling.evaluation import eval_prompts_and_seeds
+from diffrl.sampling.evaluator import evaluate
 from diffrl.sampling.rollout import sample_trajectories
 from pipelines import build_adapter
 from pipelines.base import split_prompts

@@ -101,10 +101,10 @@ def test_ddpo_recipe_trains_on_jpeg_compressibility(tmp_path):
 
 
 def test_stochastic_evaluation_samples_the_rollout_step_on_fixed_seeds(shipped):
-    from tensordict import NonTensorStack, TensorDict
 
     from diffrl.distributed.workers import ActorRolloutRefWorker
     from diffrl.recipes import compose
+    from diffrl.sampling.request import SampleRequest, sample_batch
     from diffrl.trainer import worker_config
 
     prompts, seeds = ["a red seven", "a blue two", "a green one"], [11, 12, 13]
@@ -113,10 +113,7 @@ def test_stochastic_evaluation_samples_the_rollout_step_on_fixed_seeds(shipped):
         cfg = compose(["experiment=digits_ddpo", "sampler.eval_num_steps=4", *overrides])
         worker = ActorRolloutRefWorker(worker_config(cfg))
         worker.init_model()
-        request = TensorDict({"seeds": torch.tensor(seeds), "group_id": torch.arange(3)}, batch_size=[3])
-        request["prompts"] = NonTensorStack(*prompts)
-        request.set_non_tensor("eval_num_steps", 4)
-        return worker.generate_sequences(request)
+        return worker.generate_sequences(sample_batch(prompts, seeds, SampleRequest(eval_num_steps=4)))
 
     stochastic = eval_images("sampler.eval_stochastic=true")
     again = eval_images("sampler.eval_stochastic=true")

@@ -224,7 +224,7 @@ def test_plots_draw_the_numbers(runs):
 
 def test_load_policy_reproduces_the_last_evaluation(runs):
     """The checkpoint, loaded from the run folder, samples the evaluation seeds to the logged numbers."""
-    from diffrl.sampling.evaluation import evaluate
+    from diffrl.sampling.evaluator import evaluate
     from rewards.base import build_reward
 
     run = load_run(runs / "offline")

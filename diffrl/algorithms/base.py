@@ -28,6 +28,7 @@ from omegaconf import OmegaConf
 from tensordict import TensorDict
 
 from diffrl.config import AlgorithmConfig, SamplerConfig
+from diffrl.sampling.request import SampleRequest
 from diffrl.sampling.schedules import WindowMasks
 from diffrl.sampling.sde import is_deterministic
 from diffrl.sampling.seeding import Stream, derive, generator
@@ -48,6 +49,11 @@ class RolloutPlan:
     trained: torch.Tensor
     stochastic: torch.Tensor
     record_means: bool = False
+
+    def request(self, micro_batch_size: int | None = None) -> SampleRequest:
+        """The worker's typed :class:`~diffrl.sampling.request.SampleRequest` of this plan."""
+        return SampleRequest(policy=self.policy, trained=self.trained, stochastic=self.stochastic, record_means=self.record_means,
+                             micro_batch_size=micro_batch_size)
 
 
 class Workers(Protocol):

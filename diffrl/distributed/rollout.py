@@ -34,9 +34,9 @@ from diffrl.engine.engine import compile_denoiser
 class RolloutEngine(Protocol):
     """What the driver asks of a rollout engine (one replica).
 
-    ``generate_sequences(request)``: ``request`` holds per-sample ``seeds [B]``, ``group_id [B]``, optionally
-    ``init_seeds [B]``, non-tensor ``prompts`` and the flags ``policy``, ``sde_mask [K]``, ``stochastic_mask [K]``,
-    ``record_means``, ``micro_batch_size``; it returns the trajectory TensorDict (``latents``, ``sigmas``,
+    ``generate_sequences(request)``: ``request`` is a request batch (:func:`diffrl.sampling.request.sample_batch`:
+    per-sample ``seeds [B]``, ``group_id [B]``, optionally ``init_seeds [B]``, non-tensor ``prompts`` and the typed
+    :class:`~diffrl.sampling.request.SampleRequest`); it returns the trajectory TensorDict (``latents``, ``sigmas``,
     ``log_probs`` of the behaviour policy, ``sde_mask``, ``cond``, ``images``, ``group_id``, ``seeds``, ``prompts``,
     ``means`` when asked) plus ``weights_version [B]``. ``receive_weights(version, adapters, bucket_bytes)``
     joins the actor's broadcast and afterwards reports ``version`` and the hash of what it holds.

@@ -23,8 +23,7 @@ from diffrl.distributed.controller import Dispatch, register
 from diffrl.engine import lora, parallel
 from diffrl.engine.engine import DiffusionEngine
 from diffrl.engine.flops import counter_for_adapter
-from diffrl.sampling.evaluation import deterministic_settings
-from diffrl.sampling.rollout import sample_trajectories
+from diffrl.sampling.request import SampleRequest, run_request
 from pipelines import build_adapter
 
 ROLES = ("actor", "rollout", "ref", "actor_rollout", "actor_rollout_ref")
@@ -37,10 +36,6 @@ def pop_flag(data: TensorDict, key: str, default=None):
     value = data.get_non_tensor(key)
     del data[key]
     return value
-
-
-def get_flag(data: TensorDict, key: str, default=None):
-    return data.get_non_tensor(key) if key in data.keys() else default
 
 
 def metrics_td(metrics: dict, **tensors) -> TensorDict:
@@ -198,41 +193,19 @@ class ActorRolloutRefWorker(TrainingWorker):
 
     @register(Dispatch.DP_COMPUTE)
     def generate_sequences(self, data: TensorDict) -> TensorDict:
-        """Sample trajectories: ``data`` holds non-tensor ``prompts`` and tensor ``seeds``, ``group_id``,
-        optionally ``init_seeds``, ``source_images`` (uint8 ``[B, 3, H, W]``, an editing model's sources) and the non-tensor flags ``policy`` (``current`` | ``old`` | ``ema``), ``sde_mask [K]``,
-        ``stochastic_mask [K]``, ``record_means``, ``micro_batch_size``, ``eval_num_steps`` (a deterministic
-        evaluation); sampler settings come from the config."""
+        """Sample the request batch ``data`` (:func:`diffrl.sampling.request.sample_batch`: ``prompts``, ``seeds``,
+        ``group_id``, optionally ``init_seeds`` and ``source_images``, and its typed
+        :class:`~diffrl.sampling.request.SampleRequest`); sampler settings come from the config."""
         if not self._is_rollout:
             raise RuntimeError(f"generate_sequences needs a rollout role, this worker is {self.role!r}")
-        prompts = list(data.get("prompts").tolist()) if hasattr(data.get("prompts"), "tolist") else list(data.get("prompts"))
         start = time.perf_counter()
         self.engine.module.eval()
-        policy = get_flag(data, "policy", "current")
-        if policy not in ("current", "old", "ema"):
-            raise ValueError(f"generate_sequences: policy must be 'current', 'old' or 'ema', got {policy!r}")
-        evaluation = bool(get_flag(data, "eval_num_steps"))  # evaluations sample the model-precision policy
-        with self.engine.policy(policy), torch.no_grad(), self.engine.rollout_weights(low_precision=not evaluation):
-            td = self._sample(data, prompts)
+        request = SampleRequest.of(data)
+        # evaluations sample the model-precision policy
+        with self.engine.policy(request.policy), torch.no_grad(), self.engine.rollout_weights(low_precision=not request.evaluation):
+            td = run_request(self.adapter, self.config.sampler, data)
         td.set_non_tensor("metrics", {"rollout_seconds": time.perf_counter() - start, "weights_version": self.weights_version})
         return td
-
-    def _sample(self, data: TensorDict, prompts: list[str]) -> TensorDict:
-        settings = self.config.sampler
-        sources = data["source_images"] if "source_images" in data.keys() else None  # an editing model's source images
-        eval_steps = get_flag(data, "eval_num_steps")
-        if eval_steps:  # deterministic evaluation, no trained steps
-            settings = deterministic_settings(settings, self.adapter.prediction_type, int(eval_steps))
-            return sample_trajectories(
-                self.adapter, prompts, settings=settings, seeds=data["seeds"].tolist(), group_id=data["group_id"],
-                micro_batch_size=get_flag(data, "micro_batch_size"), source_images=sources,
-            )
-        return sample_trajectories(
-            self.adapter, prompts, settings=settings, seeds=data["seeds"].tolist(),
-            sde_mask=get_flag(data, "sde_mask"), stochastic_mask=get_flag(data, "stochastic_mask"),
-            init_seeds=data["init_seeds"].tolist() if "init_seeds" in data.keys() else None, group_id=data["group_id"],
-            micro_batch_size=get_flag(data, "micro_batch_size"), record_means=bool(get_flag(data, "record_means", False)),
-            source_images=sources,
-        )
 
     @register(Dispatch.DP_COMPUTE)
     def infer_ref_batch(self, data: TensorDict) -> TensorDict:

@@ -1,4 +1,5 @@
-"""Deterministic evaluation: fixed held-out seeds, ODE sampling, rewards and the gold metric."""
+"""Deterministic evaluation: fixed held-out seeds, ODE sampling, rewards and the gold metric (the sampling and
+scoring path is :class:`diffrl.sampling.evaluator.Evaluator`)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,7 @@ from typing import Callable
 import torch
 
 from diffrl.config import SamplerConfig
-from diffrl.sampling.rollout import sample_trajectories
 from diffrl.sampling.seeding import Stream, derive
-from pipelines.base import split_prompts
 from rewards.base import call_reward
 
 
@@ -74,24 +73,6 @@ def group_means(scores: dict[str, torch.Tensor], prompts: list[str], metrics: di
             mask = torch.tensor([g == group for g in groups])
             out[f"eval/{name}/{group}"] = float(values[mask].mean())
     return out
-
-
-@torch.no_grad()
-def evaluate(adapter, prompts: list, *, seeds: list[int], num_steps: int, guidance_scale: float, metrics: dict, micro_batch_size: int | None = None,
-             height: int | None = None, width: int | None = None) -> tuple[dict[str, float], torch.Tensor]:
-    """Sample ``prompts`` (strings, or ``EditPrompt`` records of an editing model) deterministically
-    (:func:`deterministic_settings`) at ``height × width`` (default: the sampler's) and average each metric
-    (per group too, see :func:`score_images`).
-
-    Returns:
-        ``({"eval/<name>": mean}, images uint8 [N, 3, H, W])``.
-    """
-    size = {k: v for k, v in (("height", height), ("width", width)) if v is not None}
-    settings = deterministic_settings(SamplerConfig(num_steps=num_steps, guidance_scale=guidance_scale, **size), getattr(adapter, "prediction_type", "flow"), num_steps)
-    texts, sources = split_prompts(prompts)
-    td = sample_trajectories(adapter, texts, settings=settings, seeds=seeds, micro_batch_size=micro_batch_size, source_images=sources)
-    images = td["images"]
-    return score_images(images, texts, metrics, sources), images
 
 
 def paired_change(before_rows: list[dict], after_rows: list[dict], metrics: list[str]) -> dict[str, dict]:

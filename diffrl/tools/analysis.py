@@ -33,8 +33,8 @@ from diffrl.recipes import to_config
 from diffrl.distributed.workers import TrainingWorker
 from diffrl.logging import grid_cells, image_grid
 from diffrl.sampling.distribution import DISTRIBUTION_KEYS, relative_to_base
-from diffrl.sampling.evaluation import deterministic_settings, eval_prompts_and_seeds
-from diffrl.sampling.rollout import sample_trajectories
+from diffrl.sampling.evaluation import eval_prompts_and_seeds
+from diffrl.sampling.evaluator import Evaluator, local_generate
 from diffrl.trainer import worker_config
 from pipelines import build_adapter
 from rewards.base import build_reward
@@ -347,9 +347,8 @@ def sample_eval(run: Run | str | Path, adapter, prompts: list[str] | None = None
         prompts, seeds = eval_set(run, adapter)
     if seeds is None or len(seeds) != len(prompts):
         raise ValueError("sample_eval needs one seed per prompt (or neither, for the run's evaluation set)")
-    settings = deterministic_settings(worker_config(cfg).sampler, adapter.prediction_type, int(cfg.sampler.eval_num_steps))
-    td = sample_trajectories(adapter, prompts, settings=settings, seeds=seeds, micro_batch_size=cfg.sampler.micro_batch_size)
-    return td["images"], prompts, seeds
+    evaluator = Evaluator({}, eval_num_steps=int(cfg.sampler.eval_num_steps), micro_batch_size=cfg.sampler.micro_batch_size)
+    return evaluator.run(local_generate(adapter, worker_config(cfg).sampler), prompts, seeds).images, prompts, seeds
 
 
 def load_policy(run: Run | str | Path, step: int | None = None):

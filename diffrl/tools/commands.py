@@ -42,12 +42,14 @@ from diffrl.data import check_edit_prompts, eval_subset, run_prompts, sample_met
 from diffrl.data import read_prompts as read_prompt_source
 from diffrl.distributed import build_worker_group
 from diffrl.distributed.workers import ActorRolloutRefWorker
-from diffrl.logging import main_score, save_gif, save_grid
+from diffrl.logging import save_gif, save_grid
 from diffrl.recipes import Config, ConfigError, compose
 from diffrl.sampling.evaluation import eval_prompts_and_seeds
+from diffrl.sampling.evaluator import Evaluator
+from diffrl.sampling.request import SampleRequest, sample_batch
 from diffrl.trainer import RunFolderError, worker_config
 from pipelines.base import family_class, split_prompts
-from rewards.base import build_reward, call_reward
+from rewards.base import build_reward
 
 LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
 _GROUPS = ("experiment", "model", "algorithm", "reward", "sampler")
@@ -256,19 +258,6 @@ def build_metrics(cfg, names: list[str] | None = None) -> dict:
     return {name: build_reward(name, **options.get(name, {})) for name in dict.fromkeys(names)}
 
 
-def score_per_image(images, prompts: list[str], metrics: dict, source_images=None, metadata=None) -> tuple[dict[str, list[float]], dict[str, float]]:
-    """Each metric called once, as the trainer's evaluation calls it (``rewards.base.call_reward``: chunks,
-    input kind, video frames, checks): ``({output key: per-image values}, {"eval/<name>": mean})``, the means
-    reduced like ``diffrl.sampling.evaluation.score_images`` (:func:`diffrl.logging.main_score`)."""
-
-    per_image, means = {}, {}
-    for name, fn in metrics.items():
-        out = call_reward(name, fn, images, prompts, metadata, source_images)
-        per_image.update({key: value.tolist() for key, value in out.items()})
-        means[f"eval/{name}"] = float(main_score(name, out).mean())
-    return per_image, means
-
-
 def group_by_prompt(prompts: list[str], per_image: dict[str, list[float]]) -> dict[str, dict[str, float]]:
     """Mean of every per-image value over the samples of each prompt (prompts in first-seen order)."""
     out = {}
@@ -310,24 +299,6 @@ def _describe(source: ModelSource) -> dict:
     }
 
 
-def _request(prompts: list, seeds: list[int], cfg, eval_num_steps: int | None, adapter: str = "default"):
-    """The rollout request of ``prompts`` (strings, or ``EditPrompt`` records: their sources go along), sampled with the
-    LoRA ``adapter`` (``default`` or ``ema``)."""
-    from tensordict import NonTensorStack, TensorDict
-
-    texts, sources = split_prompts(prompts)
-    td = TensorDict({"seeds": torch.tensor(seeds), "group_id": torch.arange(len(seeds))}, batch_size=[len(seeds)])
-    td["prompts"] = NonTensorStack(*texts)
-    if sources is not None:
-        td["source_images"] = sources
-    if eval_num_steps:
-        td.set_non_tensor("eval_num_steps", int(eval_num_steps))
-    if cfg.sampler.micro_batch_size:
-        td.set_non_tensor("micro_batch_size", int(cfg.sampler.micro_batch_size))
-    td.set_non_tensor("policy", "ema" if adapter == "ema" else "current")
-    return td
-
-
 # -- sample ---------------------------------------------------------------------------------------------
 def run_sample(args) -> int:
 
@@ -341,10 +312,16 @@ def run_sample(args) -> int:
     workers = build_workers(source)
     all_records = [p for p in prompts for _ in args.seeds]
     seeds = [s for _ in prompts for s in args.seeds]
-    steps = None if args.stochastic else cfg.sampler.eval_num_steps
-    images = workers.generate_sequences(_request(all_records, seeds, cfg, steps, adapter))["images"]
-    all_prompts, sources = split_prompts(all_records)
-    per_image, means = score_per_image(images, all_prompts, metrics, sources) if metrics else ({}, {})
+    evaluator = Evaluator(metrics, eval_num_steps=cfg.sampler.eval_num_steps, micro_batch_size=cfg.sampler.micro_batch_size)
+    policy = "ema" if adapter == "ema" else "current"
+    if args.stochastic:  # the rollout's own stochastic sampler, no step trained
+        texts, sources = split_prompts(all_records)
+        request = sample_batch(texts, seeds, SampleRequest(policy=policy, micro_batch_size=evaluator.micro_batch_size), source_images=sources)
+        result = evaluator.score(workers.generate_sequences(request)["images"], all_records, seeds)
+    else:
+        result = evaluator.run(workers.generate_sequences, all_records, seeds, policy=policy)
+    images, all_prompts, sources, per_image = result.images, result.prompts, result.sources, result.outputs
+    means = {f"eval/{name}": float(values.mean()) for name, values in result.scores.items()}
     (out / "images").mkdir(parents=True, exist_ok=True)
     samples = []
     for i, (prompt, seed) in enumerate(zip(all_prompts, seeds)):
@@ -384,9 +361,11 @@ def run_eval(args) -> int:
     prompts = check_edit_prompts(prompts, cfg.model.family, cfg.sampler)
     start = time.perf_counter()
     all_records, seeds = eval_prompts_and_seeds(prompts, t.eval_seeds_per_prompt, t.eval_seed)
-    images = workers.generate_sequences(_request(all_records, seeds, cfg, cfg.sampler.eval_num_steps, adapter))["images"]
-    all_prompts, sources = split_prompts(all_records)
-    per_image, means = score_per_image(images, all_prompts, metrics, sources, sample_metadata(all_prompts, table))
+    evaluator = Evaluator(metrics, eval_num_steps=cfg.sampler.eval_num_steps, micro_batch_size=cfg.sampler.micro_batch_size)
+    result = evaluator.run(workers.generate_sequences, all_records, seeds, policy="ema" if adapter == "ema" else "current",
+                           metadata=sample_metadata(split_prompts(all_records)[0], table))
+    images, all_prompts, sources, per_image = result.images, result.prompts, result.sources, result.outputs
+    means = {f"eval/{name}": float(values.mean()) for name, values in result.scores.items()}
     cells = images if sources is None else torch.cat([sources, images], dim=-1)  # source | edit
     first_seed = cells[:: t.eval_seeds_per_prompt][: t.max_grid_images]
     out.mkdir(parents=True, exist_ok=True)
