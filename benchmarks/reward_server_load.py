@@ -7,7 +7,7 @@ from a pool of ``--pool`` distinct sets whose scores were computed once by the d
 process; each answer must equal the local scores of its own set (a mixed-up or merged-wrongly answer
 fails), within 1e-5. Reports p50/p99 latency per request, requests/s and images/s, writes
 ``benchmarks/results/reward_server_load.json`` and prints a markdown row. Then (unless ``--skip-attacks``)
-it runs the malformed-request table of :mod:`diffrl.tools.reward_server_attacks` against an in-process
+it runs the malformed-request table of :mod:`tests.faults.reward_server_attacks` against an in-process
 server and writes ``benchmarks/results/reward_server_attacks.json``.
 
     PYTHONPATH=. python benchmarks/reward_server_load.py --clients 32 --requests 200 --images 4
@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from diffrl.tools.reward_server import RewardServer
-from diffrl.tools.reward_server_attacks import ATTACK_LIMITS, run_attacks
+from tests.faults.reward_server_attacks import ATTACK_LIMITS, run_attacks
 from rewards.base import TOKEN_ENV, RewardError, build_reward
 from rewards.digits.data import all_prompts
 from rewards.remote import RemoteReward

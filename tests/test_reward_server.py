@@ -212,7 +212,7 @@ def test_request_headers_over_16_kib_get_400_on_every_route(jpeg_server):
     """docs/rewards.md: request headers over 16 KiB get 400, whatever the route, whether they arrive whole (the
     app's JSON answer) or in pieces (h11's limit, uvicorn's plain text); the server keeps serving."""
     from diffrl.tools.reward_server import MAX_HEADER_BYTES
-    from diffrl.tools.reward_server_attacks import read_raw
+    from tests.faults.reward_server_attacks import read_raw
 
     host, port = jpeg_server.url.removeprefix("http://").split(":")
     assert MAX_HEADER_BYTES == 16 * 1024

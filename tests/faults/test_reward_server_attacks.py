@@ -1,6 +1,6 @@
 """The reward server under hostile input, and the remote-reward client under failing servers.
 
-Server side: every case of :mod:`diffrl.tools.reward_server_attacks` (malformed bodies, PNG bombs, limits,
+Server side: every case of :mod:`tests.faults.reward_server_attacks` (malformed bodies, PNG bombs, limits,
 auth, slowloris, floods) against a real uvicorn on 127.0.0.1 must get its status and reason, and a valid
 request right after each must still get the same scores as the reward called locally. Client side: a
 server that drops connections, hangs, trickles its answer, answers 5xx or answers nonsense gives bounded
@@ -25,7 +25,7 @@ from PIL import Image
 
 from diffrl.tools import reward_server
 from diffrl.tools.reward_server import RewardServer
-from diffrl.tools.reward_server_attacks import ATTACK_LIMITS, good_request, run_attacks
+from tests.faults.reward_server_attacks import ATTACK_LIMITS, good_request, run_attacks
 from rewards.base import RewardError, build_reward
 from rewards.remote import RemoteReward
 
