@@ -22,8 +22,6 @@ from __future__ import annotations
 import copy
 import errno
 import json
-import os
-import shutil
 import time
 from datetime import datetime
 from pathlib import Path
@@ -40,6 +38,7 @@ from diffrl.distributed.rollout import RolloutReplicas
 from diffrl.distributed.workers import ActorRolloutRefWorker, WorkerConfig
 from diffrl.logging import Progress, RunLogger
 from diffrl.recipes import Config, to_config, validate
+from diffrl.resume import checkpoint_path, cut_records, fingerprint, pick_checkpoint, set_aside
 from diffrl.sampling.distribution import build_feature_space, collapse_summary
 from diffrl.sampling.evaluation import eval_prompts_and_seeds, read_jsonl, run_paired_change
 from diffrl.sampling.evaluator import Evaluator
@@ -49,10 +48,6 @@ from diffrl.sampling.seeding import Stream, derive
 from diffrl.selection import Selection
 from pipelines.base import family_class, split_prompts
 from rewards.base import RewardError, build_reward, score
-
-
-class RunFolderError(FileExistsError):
-    """The output folder already holds a run."""
 
 
 class RunStopped(RuntimeError):
@@ -173,17 +168,6 @@ def sources_of(traj: TensorDict) -> torch.Tensor | None:
     return traj["source_images"] if "source_images" in traj.keys() else None
 
 
-def fingerprint(cfg: Config, algorithm: Algorithm) -> dict:
-    """The config values a checkpoint must share with a run that resumes from it: the model and its
-    trained weights' shapes, the algorithm class, and what fixes the prompts and noise of every step."""
-    m, t = cfg.model, cfg.trainer
-    return {
-        "model.family": m.family, "model.path": m.path, "model.lora.rank": int(m.lora.rank), "model.lora.alpha": float(m.lora.alpha),
-        "model.lora.target_modules": list(m.lora.target_modules) if m.lora.target_modules else None, "algorithm.trainer": algorithm.name,
-        "trainer.seed": int(t.seed), "trainer.prompts_per_step": int(t.prompts_per_step), "trainer.group_size": int(t.group_size),
-    }
-
-
 class Trainer:
     """Runs one recipe (a composed config from ``diffrl.recipes.compose``, or the ``Config`` dataclasses)."""
 
@@ -275,38 +259,10 @@ class Trainer:
             self.replicas.shutdown()
         self.workers.shutdown()
 
-    def _pick_checkpoint(self, resume: bool | None = None) -> tuple[Path, list[tuple[Path, str]]]:
-        """The newest whole checkpoint of the run folder and the damaged ones newer than it (with why).
-
-        A checkpoint written under another model, LoRA or sampling config stops the run with the keys that
-        differ: its weights would not fit, or the run would not continue the same way."""
-        t = self.cfg.trainer
-        found = checkpoint.list_checkpoints(self.output_dir / "checkpoints")
-        auto = t.resume == "auto" if resume is None else resume
-        if auto and not found:  # stopped before its first checkpoint: only the records of those steps exist; start again
-            self.notices.append(f"{self.output_dir} has no checkpoint yet: starting again from step 0 (trainer.resume=auto)")
-            return None, []
-        if not auto or not found:
-            why = "trainer.resume=auto continues it from its newest checkpoint" if found else "it has no complete checkpoint to resume from"
-            raise RunFolderError(
-                f"output folder {self.output_dir} already holds a run (metrics.jsonl); it is left untouched — choose another trainer.output_dir ({why})"
-            )
-        damaged = []
-        for path in reversed(found):
-            problem = checkpoint.verify(path)
-            if problem:
-                damaged.append((path, problem))
-                continue
-            saved = json.loads((path / "state.json").read_text()).get("fingerprint")
-            ours = fingerprint(self.cfg, self.algorithm)
-            if saved is not None and saved != ours:
-                diff = ", ".join(f"{k}: {saved.get(k)!r} in the checkpoint, {ours.get(k)!r} now" for k in sorted(set(saved) | set(ours)) if saved.get(k) != ours.get(k))
-                raise RunFolderError(
-                    f"checkpoint {path} was written by another configuration ({diff}); resume with the run's own config.yaml or choose another trainer.output_dir"
-                )
-            return path, damaged
-        listed = "; ".join(f"{p.name}: {why}" for p, why in damaged)
-        raise RunFolderError(f"output folder {self.output_dir} has no whole checkpoint to resume from ({listed}); it is left untouched — choose another trainer.output_dir")
+    def _pick_checkpoint(self, resume: bool | None = None) -> tuple[Path | None, list[tuple[Path, str]]]:
+        """:func:`diffrl.resume.pick_checkpoint` for this run (``resume``: None follows ``trainer.resume``)."""
+        auto = self.cfg.trainer.resume == "auto" if resume is None else resume
+        return pick_checkpoint(self.output_dir, self.cfg, self.algorithm, auto, self.notices)
 
     # -- pieces ---------------------------------------------------------------------------------
     def step_prompts(self, step: int) -> list[str]:
@@ -467,13 +423,9 @@ class Trainer:
         checkpoint.write_json_atomic(self.output_dir / "summary.json", summary)
         return summary
 
-    def _checkpoint_path(self, step: int) -> Path | None:
-        """Where the checkpoint of ``step`` is (``None`` for step 0: the base model has none)."""
-        return self.output_dir / "checkpoints" / f"step_{step:06d}" if step > 0 else None
-
     def _save_checkpoint(self, step: int) -> Path:
         """The checkpoint at ``step`` (written unless it exists: a selected step is also a periodic one)."""
-        path = self._checkpoint_path(step)
+        path = checkpoint_path(self.output_dir, step)
         if path.is_dir():
             return path
         return Path(self.workers.save_checkpoint(self.output_dir / "checkpoints", global_step=step, extra_state=self.trainer_state()))
@@ -494,7 +446,7 @@ class Trainer:
             return False
         self._save_checkpoint(step)
         best = self.selection.best
-        path = self._checkpoint_path(best["step"])
+        path = checkpoint_path(self.output_dir, best["step"])
         self.stopped_early = {"step": step, "reason": self.selection.stop_message(), "best_step": best["step"], "best_value": best["value"],
                               "checkpoint": str(path) if path else None}
         progress.write(self.selection.stop_message())
@@ -504,43 +456,21 @@ class Trainer:
         """Release the workers (Ray actors) and the rollout replicas."""
         self._shutdown_workers()
 
-    def _resume(self) -> tuple[int, dict, dict]:
-        """Load the newest complete checkpoint and cut ``metrics.jsonl`` back to its step.
+    def _resume(self) -> tuple[int, dict, dict | None]:
+        """Load the newest complete checkpoint and cut ``metrics.jsonl`` back to its step (:mod:`diffrl.resume`).
 
         Restores the trained weights, the optimizer, the old policy, the window and the advantage stat
         tracker; prompts and noise are functions of ``(seed, step)``, so the run continues exactly.
         """
-        root = self.output_dir / "checkpoints"
-        for path, why in self.damaged:
-            kept = checkpoint.set_aside(path)
-            self.notices.append(f"skipped damaged checkpoint {path.name} ({why}); kept as {kept.name}")
-        for tmp in root.glob("step_*.tmp-*"):  # a write cut by a kill: partial, never used
-            shutil.rmtree(tmp, ignore_errors=True)
+        set_aside(self.output_dir, self.damaged, self.notices)
         state = self.workers.load_checkpoint(self.resume_path, hashes=False)  # _pick_checkpoint hashed it already
         step = int(state["global_step"])
         self.window.load_state_dict(state["window"])
         self.algorithm.load_state_dict(state)
         self.workers.update_weights(step)
-        path = self.output_dir / "metrics.jsonl"
-        kept = []
-        for line in path.read_text().splitlines():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:  # a line cut by the kill
-                continue
-            if record.get("step", 0) <= step:
-                kept.append(record)
-        tmp = path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(json.dumps(r, default=float) + "\n" for r in kept))
-        os.replace(tmp, path)
-        evals = [r for r in kept if r.get("kind") == "eval"]
-        if not evals or evals[0]["step"] != 0:
-            raise RunFolderError(f"{path} lacks the evaluation before training; the run cannot be resumed — start a new trainer.output_dir")
-        strip = lambda r: {k: v for k, v in r.items() if k.startswith("eval/")}
         t = self.cfg.trainer
-        if step and ((t.eval_every and step % t.eval_every == 0) or step == t.steps) and evals[-1]["step"] != step:
-            return step, strip(evals[0]), None  # the evaluation at the checkpoint's step did not finish: run it again
-        return step, strip(evals[0]), strip(evals[-1])
+        before, last = cut_records(self.output_dir, step, int(t.eval_every or 0), int(t.steps))
+        return step, before, last
 
     def train_step(self, step: int) -> dict:
         times = {}
@@ -746,7 +676,7 @@ class Trainer:
             summary["paired_change"] = paired
         summary.update(collapse_summary(before, after, self.output_dir, steps, self.gold_name, self.judge_names))
         if self.selection.best is not None:
-            path = self._checkpoint_path(self.selection.best["step"])
+            path = checkpoint_path(self.output_dir, self.selection.best["step"])
             summary["selected"] = {**self.selection.best, "checkpoint": str(path) if path else None}
         if self.stopped_early:
             summary["stopped_early"] = self.stopped_early

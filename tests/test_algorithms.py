@@ -22,7 +22,8 @@ from diffrl.engine import lora
 from diffrl.engine.engine import lr_factor
 from diffrl.recipes import compose
 from diffrl.sampling.rollout import sample_trajectories
-from diffrl.trainer import RunFolderError, Trainer
+from diffrl.resume import RunFolderError
+from diffrl.trainer import Trainer
 from tests.conftest import randomise_lora
 
 pytestmark = pytest.mark.usefixtures("single_thread")

@@ -23,7 +23,8 @@ from diffrl.checkpoint import CheckpointError
 from diffrl.logging import WandbInitError
 from diffrl.recipes import ConfigError, compose
 from diffrl.tools import commands, plan, reward_server
-from diffrl.trainer import RunFolderError, RunStopped, Trainer
+from diffrl.resume import RunFolderError
+from diffrl.trainer import RunStopped, Trainer
 from rewards.base import RewardError
 
 

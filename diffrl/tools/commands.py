@@ -47,7 +47,8 @@ from diffrl.recipes import Config, ConfigError, compose
 from diffrl.sampling.evaluation import eval_prompts_and_seeds
 from diffrl.sampling.evaluator import Evaluator
 from diffrl.sampling.request import SampleRequest, sample_batch
-from diffrl.trainer import RunFolderError, worker_config
+from diffrl.resume import RunFolderError
+from diffrl.trainer import worker_config
 from pipelines.base import family_class, split_prompts
 from rewards.base import build_reward
 

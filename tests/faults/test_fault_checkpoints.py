@@ -20,7 +20,8 @@ from diffrl import checkpoint
 from diffrl.engine.engine import DiffusionEngine
 from diffrl.recipes import compose
 from diffrl.logging import RunLogger
-from diffrl.trainer import RunFolderError, RunStopped, Trainer
+from diffrl.resume import RunFolderError
+from diffrl.trainer import RunStopped, Trainer
 from rewards.base import RewardError, register_reward
 from rewards.digits import DigitsReward
 
