@@ -1,0 +1,175 @@
+"""Where an RL step's scored trajectories come from: sampled now on the actor ranks or the rollout replicas
+(optionally in chunks whose rewards overlap the next chunk's sampling), or collected from requests sent ahead to
+the replicas (bounded staleness); trajectories of another policy than the trained one (stale replica weights,
+FP8 rollouts) get the trained policy marked as the proximal policy of the loss's truncated importance weights."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+from omegaconf import DictConfig
+from tensordict import TensorDict
+
+from diffrl.algorithms import Algorithm
+from diffrl.data import sample_metadata
+from diffrl.distributed import WorkerGroup
+from diffrl.distributed.rollout import RolloutReplicas
+from diffrl.recipes import Config
+from rewards.base import score
+
+
+def sources_of(traj: TensorDict) -> torch.Tensor | None:
+    """The trajectories' source images (an editing run), else ``None``."""
+    return traj["source_images"] if "source_images" in traj.keys() else None
+
+
+class RolloutDriver:
+    """The trainer's source of scored trajectories.
+
+    Args:
+        cfg: the run's config; algorithm: its algorithm (which steps need a rollout, optimizer steps per RL step).
+        workers: the actor worker group; replicas: the rollout replicas (None: the actor ranks sample).
+        rewards: ``name → (reward, weight)``; prompt_metadata: the prompt set's per-prompt rows.
+        request_fn: RL step → its rollout request (``Trainer.rollout_request``).
+        low_precision_rollouts: the rollouts sample another policy (FP8) whose loss corrects it.
+    """
+
+    def __init__(self, cfg: Config | DictConfig, algorithm: Algorithm, workers: WorkerGroup, replicas: RolloutReplicas | None, rewards: dict,
+                 prompt_metadata, request_fn: Callable[[int], TensorDict], low_precision_rollouts: bool):
+        self.cfg, self.algorithm, self.workers, self.replicas = cfg, algorithm, workers, replicas
+        self.rewards, self.prompt_metadata, self.request_fn = rewards, prompt_metadata, request_fn
+        self.low_precision_rollouts = low_precision_rollouts
+        self.start(0)
+
+    def start(self, step: int) -> None:
+        """Begin (or resume) at RL step ``step`` with no request in flight."""
+        self._rollout_queue: dict = {}
+        self._next_rollout = step
+
+    def rollouts(self, step: int, times: dict) -> tuple[TensorDict, dict[str, torch.Tensor], dict]:
+        """Step ``step``'s trajectories, their scores and the record's rollout entries (rewards' means, the behaviour
+        weights' version and staleness with replicas)."""
+        if self.replicas is not None and self.cfg.trainer.max_staleness:
+            traj, scores = self.off_policy_rollout(step, times)
+        else:
+            traj, scores = self.rollout_and_score(step, times)
+        rewards = scores["rewards"]
+        record = {"reward_mean": rewards.mean().item(), "reward_std": rewards.std(unbiased=False).item()}
+        for key, value in scores.items():
+            if key.startswith("reward/"):
+                record[f"{key}_mean"] = value.mean().item()
+        if self.replicas is not None:
+            record.update(self.behaviour_versions(traj, step, times))
+        elif self.low_precision_rollouts:
+            self.mark_proximal(traj, times)  # FP8 rollouts: the behaviour policy is the FP8 one
+        return traj, scores, record
+
+    def rollout_and_score(self, step: int, times: dict) -> tuple[TensorDict, dict[str, torch.Tensor]]:
+        """Sample the step's rollouts and score them: ``(trajectories, scores)`` (``rewards.base.score``).
+
+        With ``reward.async_chunks = C > 1`` the request is cut into ``C`` chunks of whole prompt groups; each
+        chunk's images are scored in a background thread while the next chunk is sampled, so reward time
+        (a remote server, a reward model) hides behind sampling. Samples are seeded per sample and scores are
+        per sample, so the result equals ``C = 1`` (bit for bit when ``sampler.micro_batch_size`` divides the
+        chunk). A reward error surfaces here, after the chunks in flight finish; nothing is trained.
+
+        Sets ``time/rollout`` (sampling), ``time/reward`` (scoring, summed over chunks) and
+        ``time/reward_wait`` (sampling done, waiting for the last scores) in ``times``.
+        """
+        request = self.request_fn(step)
+        chunks = int(self.cfg.reward.async_chunks)
+        metadata = {"step": step}
+
+        def timed_score(traj: TensorDict) -> tuple[dict, float]:
+            begin = time.perf_counter()
+            texts = list(traj.get("prompts").tolist())
+            result = score(self.rewards, traj["images"], texts, sample_metadata(texts, self.prompt_metadata, **metadata), sources_of(traj))
+            return result, time.perf_counter() - begin
+
+        generate = self.replicas.generate_sequences if self.replicas is not None else self.workers.generate_sequences
+        if chunks == 1:
+            start = time.perf_counter()
+            traj = generate(request)
+            times["time/rollout"] = time.perf_counter() - start
+            scores, times["time/reward"] = timed_score(traj)
+            return traj, scores
+        size = request.batch_size[0] // chunks
+        parts, futures, sampling = [], [], 0.0
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="diffrl-reward") as pool:
+            try:
+                for c in range(chunks):
+                    start = time.perf_counter()
+                    part = generate(request[c * size : (c + 1) * size])
+                    sampling += time.perf_counter() - start
+                    parts.append(part)
+                    futures.append(pool.submit(timed_score, part))
+                start = time.perf_counter()
+                results = [f.result() for f in futures]
+                times["time/reward_wait"] = time.perf_counter() - start
+            except BaseException:
+                for f in futures:
+                    f.cancel()
+                raise
+        times["time/rollout"] = sampling
+        times["time/reward"] = sum(seconds for _, seconds in results)
+        traj = torch.cat(parts, dim=0)
+        scores = {key: torch.cat([r[key] for r, _ in results]) for key in results[0][0]}
+        return traj, scores
+
+    def off_policy_rollout(self, step: int, times: dict) -> tuple[TensorDict, dict[str, torch.Tensor]]:
+        """Step ``step``'s trajectories from the queue of requests running ahead on the replicas, scored.
+
+        Requests for steps up to ``step + trainer.max_staleness`` are sent (each replica runs them in order,
+        with the weights it holds when it reaches them: the sync after step ``s`` reaches a replica after the
+        requests sent before it). So step ``s + k``'s request, sent at step ``s``, is sampled with the weights
+        of version ``s`` while the actor trains step ``s``: staleness ``k`` in the steady state (``j < k`` for
+        the first steps ``j``). Sets ``time/rollout`` (the replicas' sampling), ``time/rollout_wait`` (the
+        driver waiting for it) and ``time/reward``.
+        """
+        t = self.cfg.trainer
+        while self._next_rollout <= min(step + int(t.max_staleness), t.steps - 1):
+            if self.algorithm.needs_rollout(self._next_rollout):
+                self._rollout_queue[self._next_rollout] = self.replicas.submit(self.request_fn(self._next_rollout))
+            self._next_rollout += 1
+        start = time.perf_counter()
+        traj = self.replicas.collect(self._rollout_queue.pop(step))
+        times["time/rollout_wait"] = time.perf_counter() - start
+        times["time/rollout"] = float(traj.get_non_tensor("metrics")["rollout_seconds"])
+        start = time.perf_counter()
+        texts = list(traj.get("prompts").tolist())
+        scores = score(self.rewards, traj["images"], texts, sample_metadata(texts, self.prompt_metadata, step=step), sources_of(traj))
+        times["time/reward"] = time.perf_counter() - start
+        return traj, scores
+
+    def behaviour_versions(self, traj: TensorDict, step: int, times: dict) -> dict:
+        """Take the replicas' ``weights_version [B]`` off ``traj``; when older than the actor's weights (version
+        ``step``), mark the proximal policy of the loss's truncated importance weights
+        (``diffrl.algorithms.losses.make_step_loss``): an update of one optimizer step scores with the weights it
+        starts from, so its own forward is the proximal policy (``proximal_is_current``); several optimizer
+        steps need the actor's log-probs before the first one (``prox_log_probs``, one more forward pass).
+        Returns the record's ``weights_version`` (oldest row) and ``staleness``."""
+        versions = traj.pop("weights_version")
+        oldest = int(versions.min())
+        if oldest > step:
+            raise RuntimeError(f"step {step + 1}'s trajectories carry weights version {oldest}, newer than the actor's {step}")
+        if oldest < step or self.low_precision_rollouts:
+            self.mark_proximal(traj, times)
+        return {"weights_version": oldest, "staleness": float(step - versions.float().mean())}
+
+    def mark_proximal(self, traj: TensorDict, times: dict) -> None:
+        """The trajectories come from another policy than the trained one (stale replica weights, FP8 rollouts): mark the
+        trained policy as the proximal policy of the loss's truncated importance weights. An update of one optimizer step
+        scores with the weights it starts from (``proximal_is_current``); several need the actor's log-probs before the
+        first one (``prox_log_probs``, one more forward pass)."""
+        if self.algorithm.optimizer_steps_per_rl_step() == 1:
+            traj["proximal_is_current"] = torch.ones(traj.shape[0], dtype=torch.bool)
+            return
+        start = time.perf_counter()
+        traj["prox_log_probs"] = self.workers.infer_actor_batch(traj.exclude("metrics"))["log_probs"]
+        times["time/proximal"] = time.perf_counter() - start
+
+
+__all__ = ["RolloutDriver", "sources_of"]
