@@ -28,7 +28,7 @@ from diffrl.hub import HubError, is_hub_ref, offline, resolve_weights
 from diffrl.selection import metric_key
 from diffrl.sampling.schedules import WINDOW_KINDS
 from diffrl.sampling.sde import ODE_SOLVERS, STEP_KINDS
-from pipelines.base import check_adapter_options, resolve_model_path
+from pipelines.base import check_adapter_options, family_class, resolve_model_path
 from rewards.base import RewardError, resolve_reward
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
@@ -229,6 +229,87 @@ def checked_keys(obj: Any, prefix: str = "") -> list[tuple[str, Any, Check]]:
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
+
+
+def check_sizes(cfg: Config | DictConfig) -> None:
+    """Global sizes against workers and mini-batches, before any work: a clear error with valid sizes."""
+    t, a = cfg.trainer, cfg.algorithm
+    if t.prompts_per_step < 1 or t.group_size < 1:
+        raise ValueError(f"trainer.prompts_per_step and trainer.group_size must be ≥ 1, got {t.prompts_per_step} and {t.group_size}")
+    W = int(t.num_workers)
+    if W < 1:
+        raise ValueError(f"trainer.num_workers must be ≥ 1, got {W}")
+    batch = t.prompts_per_step * t.group_size
+    mini = a.mini_batch_size or batch
+    if batch % mini:
+        raise ValueError(
+            f"algorithm.mini_batch_size={mini} does not divide the {batch} trajectories of a step "
+            f"(trainer.prompts_per_step × trainer.group_size); valid sizes: {[d for d in range(1, batch + 1) if batch % d == 0]}"
+        )
+    if W > 1:
+        if batch % W or mini % W:
+            valid = [d for d in range(W, batch + 1, W) if batch % d == 0]
+            raise ValueError(
+                f"{batch} trajectories per step (mini-batches of {mini}) cannot be split evenly over trainer.num_workers={W}: "
+                f"prompts_per_step × group_size and algorithm.mini_batch_size must be multiples of {W} "
+                f"(valid mini_batch_size values: {valid})"
+            )
+        if not cfg.model.fsdp:
+            raise ValueError(
+                f"model.fsdp=false with trainer.num_workers={W}: the workers would train unsynchronised copies (gradients are "
+                "averaged by FSDP2); keep model.fsdp=true or use trainer.num_workers=1"
+            )
+        if cfg.model.fuse_lora_rollout and not int(t.rollout_replicas):
+            raise ValueError(
+                f"model.fuse_lora_rollout=true with trainer.num_workers={W}: the actor ranks sample with FSDP2-sharded weights, which "
+                "cannot be fused; use rollout replicas (trainer.rollout_replicas ≥ 1, whole weights), trainer.num_workers=1 or model.fuse_lora_rollout=false"
+            )
+    if cfg.model.fuse_lora_rollout and int(cfg.model.lora.rank) == 0:
+        raise ValueError("model.fuse_lora_rollout=true needs a LoRA adapter (model.lora.rank > 0); full fine-tuning has nothing to fuse")
+    if t.ema and int(cfg.model.lora.rank) == 0:
+        raise ValueError("trainer.ema=true keeps an EMA of the LoRA (model.lora.rank > 0); full fine-tuning has none: train a LoRA or set trainer.ema=false")
+    C = int(cfg.reward.async_chunks)
+    if C < 1 or t.prompts_per_step % C:
+        valid = [d for d in range(1, t.prompts_per_step + 1) if t.prompts_per_step % d == 0]
+        raise ValueError(f"reward.async_chunks={C} must divide trainer.prompts_per_step={t.prompts_per_step} (chunks are whole prompt groups); valid: {valid}")
+    if W > 1 and (batch // C) % W:
+        valid = [d for d in range(1, t.prompts_per_step + 1) if t.prompts_per_step % d == 0 and (batch // d) % W == 0]
+        raise ValueError(f"reward.async_chunks={C} gives chunks of {batch // C} rollouts, not divisible by trainer.num_workers={W}; valid: {valid}")
+    R, k = int(t.rollout_replicas), int(t.max_staleness)
+    if R and t.backend != "ray":
+        raise ValueError(f"trainer.rollout_replicas={R} needs trainer.backend=ray (each replica is a Ray actor beside the actor ranks)")
+    if k and not R:
+        raise ValueError(f"trainer.max_staleness={k} needs rollout replicas (trainer.rollout_replicas ≥ 1): rollouts on the actor ranks cannot run ahead of training")
+    if R and (batch // C) % R:
+        valid = [d for d in range(1, batch // C + 1) if (batch // C) % d == 0]
+        raise ValueError(f"trainer.rollout_replicas={R} must divide the {batch // C} rollouts of a request (prompts_per_step × group_size / reward.async_chunks); valid: {valid}")
+    if k and C > 1:
+        raise ValueError(f"reward.async_chunks={C} with trainer.max_staleness={k}: off-policy rollouts already overlap rewards with sampling; set reward.async_chunks=1")
+
+
+def check_algorithm(cfg: Config | DictConfig, algorithm) -> bool:
+    """The run's settings against what its algorithm's objective supports, before any work: off-policy rollouts
+    (replicas with staleness, FP8 rollouts) need a loss that corrects them; replicas cannot sync a full
+    fine-tune's old policy; offline DPO pairs have no source images for an editing family. Returns whether the
+    rollouts sample another policy (FP8) that the loss corrects."""
+    t, m = cfg.trainer, cfg.model
+    objective = algorithm.objective()
+    corrects = bool(getattr(objective, "rollout_correction", False))  # its loss weights behaviour log-probs by truncated IS
+    if t.max_staleness and not corrects:
+        used = " ".join(filter(None, [algorithm.name, getattr(objective, "loss_name", None)]))
+        raise ValueError(f"trainer.max_staleness={t.max_staleness} needs a loss that corrects off-policy rollouts (algorithm.trainer=policy_gradient "
+                         f"with algorithm.loss=flow_grpo or ddpo), not {used}; set trainer.max_staleness=0")
+    if m.rollout_precision != "model" and getattr(objective, "loss_name", None) and not corrects:
+        raise ValueError(f"model.rollout_precision={m.rollout_precision} samples with another policy than the trained one, and "
+                         f"{algorithm.name}'s loss {objective.loss_name} does not correct that (its log-probs need truncated importance "
+                         "weights: flow_grpo or ddpo); set model.rollout_precision=model")
+    if t.rollout_replicas and m.lora.rank == 0 and algorithm.needs_old_policy:
+        raise ValueError(f"trainer.rollout_replicas={t.rollout_replicas} with full fine-tuning (model.lora.rank=0) cannot sync {algorithm.name}'s "
+                         "old policy (a frozen copy on the actor); train a LoRA or set trainer.rollout_replicas=0")
+    if getattr(algorithm.config, "preference_pairs", None) and getattr(family_class(m.family), "editing", False):
+        raise ValueError(f"algorithm.preference_pairs (offline DPO pairs) has no source images, and model family {m.family!r} edits images; "
+                         "train it with online pairs (unset algorithm.preference_pairs) or another algorithm")
+    return m.rollout_precision != "model" and corrects
 
 
 def validate(cfg: Config | DictConfig, *, hub_cache: bool = True) -> Config:

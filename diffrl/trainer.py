@@ -37,7 +37,7 @@ from diffrl.distributed import WorkerGroup, WorkerLostError, build_worker_group
 from diffrl.distributed.rollout import RolloutReplicas
 from diffrl.distributed.workers import ActorRolloutRefWorker, WorkerConfig
 from diffrl.logging import Progress, RunLogger
-from diffrl.recipes import Config, to_config, validate
+from diffrl.recipes import Config, check_algorithm, check_sizes, to_config, validate
 from diffrl.resume import checkpoint_path, cut_records, fingerprint, pick_checkpoint, set_aside
 from diffrl.rollout_driver import RolloutDriver
 from diffrl.sampling.distribution import build_feature_space, collapse_summary
@@ -47,7 +47,7 @@ from diffrl.sampling.request import sample_batch
 from diffrl.sampling.schedules import TrainingWindow
 from diffrl.sampling.seeding import Stream, derive
 from diffrl.selection import Selection
-from pipelines.base import family_class, split_prompts
+from pipelines.base import split_prompts
 from rewards.base import RewardError, build_reward
 
 
@@ -65,62 +65,6 @@ def build_window(cfg: Config) -> TrainingWindow:
         range_start=window_range[0], range_end=window_range[1], shift=s.window_shift, shift_every=s.window_shift_every,
         frozen=s.window_frozen,
     )
-
-
-def check_sizes(cfg: Config | DictConfig) -> None:
-    """Global sizes against workers and mini-batches, before any work: a clear error with valid sizes."""
-    t, a = cfg.trainer, cfg.algorithm
-    if t.prompts_per_step < 1 or t.group_size < 1:
-        raise ValueError(f"trainer.prompts_per_step and trainer.group_size must be ≥ 1, got {t.prompts_per_step} and {t.group_size}")
-    W = int(t.num_workers)
-    if W < 1:
-        raise ValueError(f"trainer.num_workers must be ≥ 1, got {W}")
-    batch = t.prompts_per_step * t.group_size
-    mini = a.mini_batch_size or batch
-    if batch % mini:
-        raise ValueError(
-            f"algorithm.mini_batch_size={mini} does not divide the {batch} trajectories of a step "
-            f"(trainer.prompts_per_step × trainer.group_size); valid sizes: {[d for d in range(1, batch + 1) if batch % d == 0]}"
-        )
-    if W > 1:
-        if batch % W or mini % W:
-            valid = [d for d in range(W, batch + 1, W) if batch % d == 0]
-            raise ValueError(
-                f"{batch} trajectories per step (mini-batches of {mini}) cannot be split evenly over trainer.num_workers={W}: "
-                f"prompts_per_step × group_size and algorithm.mini_batch_size must be multiples of {W} "
-                f"(valid mini_batch_size values: {valid})"
-            )
-        if not cfg.model.fsdp:
-            raise ValueError(
-                f"model.fsdp=false with trainer.num_workers={W}: the workers would train unsynchronised copies (gradients are "
-                "averaged by FSDP2); keep model.fsdp=true or use trainer.num_workers=1"
-            )
-        if cfg.model.fuse_lora_rollout and not int(t.rollout_replicas):
-            raise ValueError(
-                f"model.fuse_lora_rollout=true with trainer.num_workers={W}: the actor ranks sample with FSDP2-sharded weights, which "
-                "cannot be fused; use rollout replicas (trainer.rollout_replicas ≥ 1, whole weights), trainer.num_workers=1 or model.fuse_lora_rollout=false"
-            )
-    if cfg.model.fuse_lora_rollout and int(cfg.model.lora.rank) == 0:
-        raise ValueError("model.fuse_lora_rollout=true needs a LoRA adapter (model.lora.rank > 0); full fine-tuning has nothing to fuse")
-    if t.ema and int(cfg.model.lora.rank) == 0:
-        raise ValueError("trainer.ema=true keeps an EMA of the LoRA (model.lora.rank > 0); full fine-tuning has none: train a LoRA or set trainer.ema=false")
-    C = int(cfg.reward.async_chunks)
-    if C < 1 or t.prompts_per_step % C:
-        valid = [d for d in range(1, t.prompts_per_step + 1) if t.prompts_per_step % d == 0]
-        raise ValueError(f"reward.async_chunks={C} must divide trainer.prompts_per_step={t.prompts_per_step} (chunks are whole prompt groups); valid: {valid}")
-    if W > 1 and (batch // C) % W:
-        valid = [d for d in range(1, t.prompts_per_step + 1) if t.prompts_per_step % d == 0 and (batch // d) % W == 0]
-        raise ValueError(f"reward.async_chunks={C} gives chunks of {batch // C} rollouts, not divisible by trainer.num_workers={W}; valid: {valid}")
-    R, k = int(t.rollout_replicas), int(t.max_staleness)
-    if R and t.backend != "ray":
-        raise ValueError(f"trainer.rollout_replicas={R} needs trainer.backend=ray (each replica is a Ray actor beside the actor ranks)")
-    if k and not R:
-        raise ValueError(f"trainer.max_staleness={k} needs rollout replicas (trainer.rollout_replicas ≥ 1): rollouts on the actor ranks cannot run ahead of training")
-    if R and (batch // C) % R:
-        valid = [d for d in range(1, batch // C + 1) if (batch // C) % d == 0]
-        raise ValueError(f"trainer.rollout_replicas={R} must divide the {batch // C} rollouts of a request (prompts_per_step × group_size / reward.async_chunks); valid: {valid}")
-    if k and C > 1:
-        raise ValueError(f"reward.async_chunks={C} with trainer.max_staleness={k}: off-policy rollouts already overlap rewards with sampling; set reward.async_chunks=1")
 
 
 def rollout_request(cfg: Config, algorithm: Algorithm, step_prompts: list, masks, step: int) -> TensorDict:
@@ -177,23 +121,7 @@ class Trainer:
         run = run_context(cfg)
         self.algorithm = build_algorithm(cfg.algorithm, run)
         self.algorithm.validate(int(t.num_workers))
-        objective = self.algorithm.objective()
-        corrects = bool(getattr(objective, "rollout_correction", False))  # its loss weights behaviour log-probs by truncated IS
-        self.low_precision_rollouts = cfg.model.rollout_precision != "model" and corrects  # FP8 rollouts: another behaviour policy
-        if t.max_staleness and not corrects:
-            used = " ".join(filter(None, [self.algorithm.name, getattr(objective, "loss_name", None)]))
-            raise ValueError(f"trainer.max_staleness={t.max_staleness} needs a loss that corrects off-policy rollouts (algorithm.trainer=policy_gradient "
-                             f"with algorithm.loss=flow_grpo or ddpo), not {used}; set trainer.max_staleness=0")
-        if cfg.model.rollout_precision != "model" and getattr(objective, "loss_name", None) and not corrects:
-            raise ValueError(f"model.rollout_precision={cfg.model.rollout_precision} samples with another policy than the trained one, and "
-                             f"{self.algorithm.name}'s loss {objective.loss_name} does not correct that (its log-probs need truncated importance "
-                             "weights: flow_grpo or ddpo); set model.rollout_precision=model")
-        if t.rollout_replicas and cfg.model.lora.rank == 0 and self.algorithm.needs_old_policy:
-            raise ValueError(f"trainer.rollout_replicas={t.rollout_replicas} with full fine-tuning (model.lora.rank=0) cannot sync {self.algorithm.name}'s "
-                             "old policy (a frozen copy on the actor); train a LoRA or set trainer.rollout_replicas=0")
-        if getattr(self.algorithm.config, "preference_pairs", None) and getattr(family_class(cfg.model.family), "editing", False):
-            raise ValueError(f"algorithm.preference_pairs (offline DPO pairs) has no source images, and model family {cfg.model.family!r} edits images; "
-                             "train it with online pairs (unset algorithm.preference_pairs) or another algorithm")
+        self.low_precision_rollouts = check_algorithm(cfg, self.algorithm)  # FP8 rollouts: another behaviour policy, corrected
         self.resume_path, self.damaged, self.notices = None, [], []
         self.restart_from_scratch = False
         metrics = self.output_dir / "metrics.jsonl"

@@ -13,7 +13,7 @@ from diffrl.engine import lora
 from diffrl.recipes import compose
 from diffrl.sampling.rollout import sample_trajectories
 from diffrl.sampling.seeding import Stream, derive
-from diffrl.trainer import check_sizes
+from diffrl.recipes import check_sizes
 from pipelines import build_adapter
 from pipelines.digits import DigitsAdapter
 from tests.conftest import randomise_lora

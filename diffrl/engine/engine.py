@@ -202,7 +202,7 @@ class DiffusionEngine:
         base weights (:class:`diffrl.engine.lora.FusedWeights`); then, with ``model.rollout_precision=fp8`` and
         ``low_precision`` (rollouts, not evaluations), the linear layers in FP8 (:func:`diffrl.engine.fp8.fp8_linears`).
         FSDP2-sharded weights cannot be fused: sharded actor ranks sample unfused (with rollout replicas they only
-        evaluate; without replicas the trainer refuses the setting before any work, ``trainer.check_sizes``)."""
+        evaluate; without replicas the trainer refuses the setting before any work, ``recipes.check_sizes``)."""
         self.initialize()
         low = low_precision and self.model.rollout_precision == "fp8"
         if low and self.sharded:

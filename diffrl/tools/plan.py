@@ -46,7 +46,8 @@ from diffrl.distributed.workers import ActorRolloutRefWorker
 from diffrl.engine import trace as tracing
 from diffrl.engine.flops import DEVICE_PEAK_FLOPS
 from diffrl.recipes import compose, validate
-from diffrl.trainer import build_window, check_sizes, rollout_request, run_context, worker_config
+from diffrl.recipes import check_sizes
+from diffrl.trainer import build_window, rollout_request, run_context, worker_config
 from pipelines.base import parent_shape_name, published_shape
 
 GiB = 2**30
