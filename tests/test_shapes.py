@@ -268,3 +268,26 @@ def test_hook_free_flop_counter_equals_flop_counter_mode():
     with ref:
         step()
     assert ours.get_total_flops() == ref.get_total_flops() > 2 * 2 * 16 * 32 * 96
+
+
+@pytest.mark.parametrize("shape", ["tiny_flux_kontext", "tiny_qwen_image_edit"])
+def test_scale_benchmark_runs_the_editing_models_with_their_sources(tmp_path, shape):
+    """The editing shapes of the scale benchmark (issue 38 item 3): rollouts that edit a source image per prompt and the
+    update agree on every log-prob (the source tokens enter both), the sources are fixed by the seed and differ per
+    prompt, and the reference variant (text-to-image pipelines only) is a one-line error, not a crash."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from gpu_scale import main as scale
+    from gpu_scale import source_images
+
+    out = scale(["--shape", shape, "--variants", "eager,reference", "--device", "cpu", "--batch", "4", "--group", "2", "--micro-batch", "2",
+                 "--steps", "3", "--window-range", "0", "2", "--repeats", "1", "--e2e-iters", "0", "--rank", "2", "--alpha", "2",
+                 "--out", str(tmp_path / "edit.json")])
+    run = out["variants"]["eager"]
+    assert "error" not in run and run["logp_ok"] and run["max_abs_dlogp"] <= 1e-6 and run["source_size"] == [32, 32]
+    assert "editing model" in out["variants"]["reference"]["error"]
+    sources = source_images(2, 32, 32, seed=0)
+    assert sources.dtype == torch.uint8 and sources.shape == (2, 3, 32, 32) and not torch.equal(sources[0], sources[1])
+    assert torch.equal(sources, source_images(2, 32, 32, seed=0))  # fixed by the seed
