@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import copy
 import errno
-import json
 import time
 from datetime import datetime
 from pathlib import Path
@@ -40,8 +39,9 @@ from diffrl.logging import Progress, RunLogger
 from diffrl.recipes import Config, check_algorithm, check_sizes, to_config, validate
 from diffrl.resume import checkpoint_path, cut_records, fingerprint, pick_checkpoint, set_aside
 from diffrl.rollout_driver import RolloutDriver
-from diffrl.sampling.distribution import build_feature_space, collapse_summary
-from diffrl.sampling.evaluation import eval_prompts_and_seeds, read_jsonl, run_paired_change
+from diffrl.run_report import run_summary, throughput
+from diffrl.sampling.distribution import build_feature_space
+from diffrl.sampling.evaluation import eval_prompts_and_seeds, read_jsonl
 from diffrl.sampling.evaluator import Evaluator
 from diffrl.sampling.request import sample_batch
 from diffrl.sampling.schedules import TrainingWindow
@@ -435,27 +435,10 @@ class Trainer:
         return self.driver.rollout_and_score(step, times)
 
     def throughput(self, record: dict, times: dict) -> dict:
-        """images/s per worker of the rollout and, where the device's peak is known, MFU of the rollout
-        and training passes (analytic FLOPs of ``diffrl.engine.flops``; forward-only passes count 1/3 of a
-        training pass)."""
-        cfg, W = self.cfg, self.workers.world_size
-        R = self.replicas.replicas if self.replicas is not None else W  # the devices that sample
-        s, t = cfg.sampler, cfg.trainer
-        n = t.prompts_per_step * t.group_size
-        out = {}
-        if "time/rollout" in times:
-            out["perf/images_per_second_per_worker"] = n / times["time/rollout"] / R
-        if self.flops is None:
-            return out
-        if "time/rollout" in times:
-            mfu = self.flops.mfu(self.flops.rollout_flops(n, s.num_steps, s.guidance_scale), times["time/rollout"], R)
-            if mfu is not None:
-                out["perf/mfu_rollout"] = mfu
-        units, extra = self.algorithm.train_forwards(record, int(self.window.masks(0).trained.sum()))
-        mfu = self.flops.mfu(self.flops.train_flops(units, 1, s.guidance_scale, extra) * self.algorithm.config.epochs, times["time/train"], W)
-        if mfu is not None:
-            out["perf/mfu_train"] = mfu
-        return out
+        """The step's images/s and MFU (:func:`diffrl.run_report.throughput`)."""
+        W = self.workers.world_size
+        return throughput(self.cfg, self.algorithm, self.flops, int(self.window.masks(0).trained.sum()), W,
+                          self.replicas.replicas if self.replicas is not None else W, record, times)
 
     def trainer_state(self) -> dict:
         """JSON state saved next to the weights: what a resume needs beyond the engine."""
@@ -466,32 +449,9 @@ class Trainer:
         return ", ".join(f"{k[5:]}={v:.4f}" for k, v in metrics.items() if k != "eval/seconds")
 
     def _summary(self, before: dict, after: dict, wall: float) -> dict:
-        reward_keys = [f"eval/{name}" for name in self.rewards]
+        """``summary.json`` (:func:`diffrl.run_report.run_summary`)."""
+        best = self.selection.best
+        selected = None if best is None else {**best, "checkpoint": str(p) if (p := checkpoint_path(self.output_dir, best["step"])) else None}
         steps = self.stopped_early["step"] if self.stopped_early else int(self.cfg.trainer.steps)
-        summary = {
-            "experiment": self.cfg.experiment,
-            "steps": steps,
-            "wall_seconds": wall,
-            "reward_before": sum(before[k] * w for k, (_, w) in zip(reward_keys, self.rewards.values())),
-            "reward_after": sum(after[k] * w for k, (_, w) in zip(reward_keys, self.rewards.values())),
-            "eval_before": before,
-            "eval_after": after,
-            "output_dir": str(self.output_dir),
-            "checkpoint": str(checkpoint.list_checkpoints(self.output_dir / "checkpoints")[-1]),
-        }
-        records = [json.loads(line) for line in (self.output_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-        summary["skipped_nonfinite"] = sum(r.get("skipped_nonfinite", 0) for r in records if r.get("kind") == "train")
-        if self.gold_name:
-            summary["gold_accuracy_before"] = before[f"eval/{self.gold_name}"]
-            summary["gold_accuracy_after"] = after[f"eval/{self.gold_name}"]
-        # the same held-out (prompt, seed) pairs before and after: per-sample paired changes of every metric
-        paired = run_paired_change(self.output_dir, steps, list(self.eval_metrics))
-        if paired is not None:
-            summary["paired_change"] = paired
-        summary.update(collapse_summary(before, after, self.output_dir, steps, self.gold_name, self.judge_names))
-        if self.selection.best is not None:
-            path = checkpoint_path(self.output_dir, self.selection.best["step"])
-            summary["selected"] = {**self.selection.best, "checkpoint": str(path) if path else None}
-        if self.stopped_early:
-            summary["stopped_early"] = self.stopped_early
-        return summary
+        return run_summary(self.cfg, self.output_dir, {name: w for name, (_, w) in self.rewards.items()}, list(self.eval_metrics), self.gold_name,
+                           self.judge_names, before, after, wall, steps, selected=selected, stopped_early=self.stopped_early)
