@@ -146,3 +146,17 @@ def test_only_the_registry_and_the_class_know_an_algorithm_name():
                 if (isinstance(owner, ast.Attribute) and owner.attr == "algorithm") or (isinstance(owner, ast.Name) and owner.id in ("a", "algorithm")):
                     offenders.append((mod, node.lineno, ast.unparse(node)))
     assert not offenders, offenders
+
+
+def test_every_diffrl_module_has_a_layer_and_the_docs_draw_them_in_order():
+    """Every diffrl module sits in a layer of the table above, and docs/architecture.md's layer drawing names them top to
+    bottom in the table's order (so the drawing cannot say one order while the test enforces another)."""
+    unplaced = sorted(m for m in _modules() if m.startswith("diffrl") and _layer(m) is None)
+    assert not unplaced, f"modules outside every layer (add them to LAYERS and the drawing): {unplaced}"
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    drawing = text.split("## Layers", 1)[1].split("```", 2)[1]
+    named = [line.split()[0].rstrip("/") for line in drawing.splitlines() if line.startswith("diffrl/")]
+    layers = [_layer(name.removesuffix(".py").replace("/", ".")) for name in named]
+    assert None not in layers, dict(zip(named, layers))
+    assert layers == sorted(layers), f"the drawing's order differs from LAYERS: {list(zip(named, layers))}"
+    assert set(layers) == set(range(len(LAYERS))), f"layers missing from the drawing: {sorted(set(range(len(LAYERS))) - set(layers))}"
