@@ -58,6 +58,7 @@ from diffrl.engine.engine import DiffusionEngine  # noqa: E402
 from diffrl.sampling.rollout import sample_trajectories  # noqa: E402
 from diffrl.sampling.seeding import Stream, derive  # noqa: E402
 from pipelines import build_adapter  # noqa: E402
+from pipelines.base import known_families  # noqa: E402
 from pipelines.shapes import SHAPES  # noqa: E402
 from rewards.base import build_reward, score  # noqa: E402
 
@@ -586,6 +587,7 @@ def main(argv=None):
         args.rank, args.alpha, args.mlp, args.group, args.micro_batch, args.batch = rec["rank"], rec["alpha"], rec["mlp"], rec["group"], rec["micro_batch"], rec["batch"]
         args.n_text = args.n_text or rec["n_text"]
     args.settings = SETTINGS[args.shape]
+    known_families()  # every family's published shapes registered (pipelines.shapes)
     args.cfg = args.settings["cfg"] if args.cfg is None else args.cfg
     on_gpu = cuda(args.device)
     args.dtype = args.dtype or ("bfloat16" if on_gpu else "float32")

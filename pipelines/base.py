@@ -395,6 +395,7 @@ def published_shape(family: str, path=None, shape: str = "tiny") -> str:
     if Path(str(path)).expanduser().is_dir():
         return "local"
     repo = str(path).split("@")[0].rstrip("/")
+    known_families()  # every family's published shapes registered
     for spec in SHAPES.values():
         if spec.family == family and spec.source.split()[0] == repo:
             return spec.name
@@ -406,5 +407,6 @@ def published_shape(family: str, path=None, shape: str = "tiny") -> str:
 
 def parent_shape_name(shape: str) -> str:
     """An editing model's published shape → its text-to-image parent's (same transformer); any other → itself."""
+    known_families()
     return PARENT_SHAPES.get(shape, shape)
 

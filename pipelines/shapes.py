@@ -3,7 +3,8 @@
 ``model.options.shape`` picks what a family builds when ``model.path`` is null:
 
 * ``tiny`` (the default): the small random configuration of the tests.
-* a published shape by name (:data:`SHAPES`), or ``full`` for the family's flagship (:data:`FULL`): the
+* a published shape by name (:data:`SHAPES`, registered by each family's module with :func:`register_shape`), or
+  ``full`` for the family's flagship (:data:`FULL`): the
   transformer and the VAE at their published diffusers configs, with random weights, so recipes, benchmarks
   and tests run at real shape on any GPU without downloading anything. Real weights still come from
   ``model.path``.
@@ -27,7 +28,8 @@ Wan2.1-T2V-1.3B 1.42 B.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field, replace
+import importlib
+from dataclasses import dataclass, field
 
 import torch
 
@@ -54,69 +56,41 @@ class Shape:
     source: str = ""
 
 
-SHAPES: dict[str, Shape] = {
-    "sd35_medium": Shape(
-        "sd35_medium", "sd3",
-        dict(sample_size=128, patch_size=2, in_channels=16, out_channels=16, num_layers=24, attention_head_dim=64, num_attention_heads=24,
-             joint_attention_dim=4096, caption_projection_dim=1536, pooled_projection_dim=2048, pos_embed_max_size=384,
-             dual_attention_layers=tuple(range(13)), qk_norm="rms_norm"),
-        SD3_FLUX_VAE, {"clip_l": 768, "clip_g": 1280, "t5": 4096}, 256, 2.24, "stabilityai/stable-diffusion-3.5-medium transformer/config.json",
-    ),
-    "sd35_large": Shape(
-        "sd35_large", "sd3",
-        dict(sample_size=128, patch_size=2, in_channels=16, out_channels=16, num_layers=38, attention_head_dim=64, num_attention_heads=38,
-             joint_attention_dim=4096, caption_projection_dim=2432, pooled_projection_dim=2048, pos_embed_max_size=192, qk_norm="rms_norm"),
-        SD3_FLUX_VAE, {"clip_l": 768, "clip_g": 1280, "t5": 4096}, 256, 8.06, "stabilityai/stable-diffusion-3.5-large transformer/config.json",
-    ),
-    "flux_dev": Shape(
-        "flux_dev", "flux",
-        dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128, num_attention_heads=24,
-             joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True, axes_dims_rope=(16, 56, 56)),
-        SD3_FLUX_VAE, {"clip_l": 768, "t5": 4096}, 512, 11.90, "black-forest-labs/FLUX.1-dev transformer/config.json",
-    ),
-    "qwen_image": Shape(
-        "qwen_image", "qwen_image",
-        dict(patch_size=2, in_channels=64, out_channels=16, num_layers=60, attention_head_dim=128, num_attention_heads=24,
-             joint_attention_dim=3584, axes_dims_rope=(16, 56, 56)),
-        dict(base_dim=96, z_dim=16, dim_mult=(1, 2, 4, 4), num_res_blocks=2, attn_scales=(), temperal_downsample=(False, True, True)),
-        {"qwen2_5_vl": 3584}, 512, 20.43, "Qwen/Qwen-Image transformer/config.json, vae/config.json",
-    ),
-    "wan21_14b": Shape(
-        "wan21_14b", "wan",
-        dict(patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128, in_channels=16, out_channels=16, text_dim=4096,
-             freq_dim=256, ffn_dim=13824, num_layers=40, cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024),
-        dict(base_dim=96, z_dim=16, dim_mult=(1, 2, 4, 4), num_res_blocks=2, attn_scales=(), temperal_downsample=(False, True, True)),
-        {"umt5": 4096}, 512, 14.29, "Wan-AI/Wan2.1-T2V-14B-Diffusers transformer/config.json, vae/config.json",
-    ),
-    "wan21_1_3b": Shape(
-        "wan21_1_3b", "wan",
-        dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16, out_channels=16, text_dim=4096,
-             freq_dim=256, ffn_dim=8960, num_layers=30, cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024),
-        dict(base_dim=96, z_dim=16, dim_mult=(1, 2, 4, 4), num_res_blocks=2, attn_scales=(), temperal_downsample=(False, True, True)),
-        {"umt5": 4096}, 512, 1.42, "Wan-AI/Wan2.1-T2V-1.3B-Diffusers transformer/config.json, vae/config.json",
-    ),
-}
-# the editing models run their text-to-image parent's transformer and VAE configs
-SHAPES["qwen_image_edit"] = replace(
-    SHAPES["qwen_image"], name="qwen_image_edit", family="qwen_image_edit",
-    source="Qwen/Qwen-Image-Edit transformer/config.json, vae/config.json (Qwen-Image's)",
-)
-SHAPES["flux_kontext"] = replace(
-    SHAPES["flux_dev"], name="flux_kontext", family="flux_kontext",
-    source="black-forest-labs/FLUX.1-Kontext-dev transformer/config.json (FLUX.1-dev's)",
-)
-# an editing model's published shape → its text-to-image parent's (the same transformer and VAE configs): the
-# editing adapters build through their parent's builder
-PARENT_SHAPES = {"qwen_image_edit": "qwen_image", "flux_kontext": "flux_dev"}
-# ``shape=full``: each family's flagship
-FULL = {
-    "sd3": "sd35_large", "flux": "flux_dev", "qwen_image": "qwen_image", "wan": "wan21_14b",
-    "qwen_image_edit": "qwen_image_edit", "flux_kontext": "flux_kontext",
-}
+SHAPES: dict[str, Shape] = {}
+"""Every registered published shape by name (:func:`register_shape`; each family registers its own on import)."""
+PARENT_SHAPES: dict[str, str] = {}
+"""an editing model's published shape → its text-to-image parent's (the same transformer and VAE configs): the editing
+adapters build through their parent's builder"""
+FULL: dict[str, str] = {}
+"""``shape=full``: each family's flagship"""
+
+
+def register_shape(shape: Shape, *, full: bool = False, parent: str | None = None) -> Shape:
+    """Make ``shape`` a published shape of its family (``model.options.shape=<name>``): a family's module registers its
+    own on import. ``full``: the family's flagship (``shape=full``); ``parent``: an editing model's text-to-image
+    parent shape, whose builder it uses."""
+    if shape.name in SHAPES and SHAPES[shape.name] != shape:
+        raise ValueError(f"published shape {shape.name!r} is registered twice, differently")
+    SHAPES[shape.name] = shape
+    if full:
+        FULL[shape.family] = shape.name
+    if parent is not None:
+        PARENT_SHAPES[shape.name] = parent
+    return shape
+
+
+def _family_loaded(family: str) -> None:
+    """Import ``pipelines.<family>`` so that its shapes are registered (a family elsewhere registers them itself)."""
+    if not any(s.family == family for s in SHAPES.values()):
+        try:
+            importlib.import_module(f"pipelines.{family}")
+        except ModuleNotFoundError:
+            pass
 
 
 def shape_names(family: str) -> list[str]:
     """The values ``model.options.shape`` takes for ``family``."""
+    _family_loaded(family)
     return ["tiny", *(["full"] if family in FULL else []), *sorted(n for n, s in SHAPES.items() if s.family == family)]
 
 
@@ -124,6 +98,7 @@ def resolve_shape(family: str, shape: str) -> Shape | None:
     """The published shape ``shape`` of ``family`` (None for ``tiny``); a one-line error names the valid ones."""
     if shape == "tiny":
         return None
+    _family_loaded(family)
     name = FULL.get(family) if shape == "full" else shape
     found = SHAPES.get(name or "")
     if found is None or found.family != family:
@@ -188,5 +163,5 @@ def t5_config(base: dict, width: int) -> dict:
 
 __all__ = [
     "FULL", "PARENT_SHAPES", "SHAPES", "SD3_FLUX_VAE", "Shape", "building", "check_shape_path", "clip_config", "family_components", "parent_shape",
-    "plain", "resolve_shape", "shape_names", "t5_config",
+    "plain", "register_shape", "resolve_shape", "shape_names", "t5_config",
 ]

@@ -25,10 +25,19 @@ from diffrl.config import LoraConfig, ModelConfig, OptimConfig, SamplerConfig
 from diffrl.engine.engine import DiffusionEngine
 from diffrl.engine.memory import checkpointed_count
 from pipelines import build_adapter
+from pipelines.base import known_families
 from pipelines.shapes import FULL, SHAPES, resolve_shape, shape_names
 from pipelines.tiny import TINY_VAE
 
 pytestmark = pytest.mark.usefixtures("single_thread")
+known_families()  # each family registers its published shapes on import (pipelines.shapes.register_shape)
+EXPECTED_SHAPES = ["flux_dev", "flux_kontext", "qwen_image", "qwen_image_edit", "sd35_large", "sd35_medium", "wan21_14b", "wan21_1_3b"]
+
+
+def test_each_family_registers_its_published_shapes():
+    """The shapes live in their families' modules; importing every family registers all of them (and only once)."""
+    assert sorted(SHAPES) == EXPECTED_SHAPES
+    assert all(SHAPES[name].family in known_families() for name in SHAPES)
 
 
 @pytest.mark.parametrize("name", sorted(SHAPES))

@@ -32,8 +32,16 @@ from pipelines.base import register_family, torch_dtype
 from pipelines.flops import flux_forward_flops
 from pipelines.latent import LatentFlowFamily, check_folder, load_common, load_tokenizer, own_memory, pack_latents, unpack_latents
 from pipelines.schedules import calculate_shift, shifted_sigmas
-from pipelines.shapes import Shape, building, clip_config, family_components, plain, t5_config
+from pipelines.shapes import SD3_FLUX_VAE, Shape, building, clip_config, family_components, plain, register_shape, t5_config
 from pipelines.tiny import TINY_CLIP, TINY_T5, build_tiny_t5, build_tiny_t5_tokenizer, build_tiny_tokenizer, build_tiny_vae
+
+# the family's published shapes (``model.options.shape``; pipelines.shapes)
+register_shape(Shape(
+    "flux_dev", "flux",
+    dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128, num_attention_heads=24,
+         joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True, axes_dims_rope=(16, 56, 56)),
+    SD3_FLUX_VAE, {"clip_l": 768, "t5": 4096}, 512, 11.90, "black-forest-labs/FLUX.1-dev transformer/config.json",
+), full=True)
 
 # FLUX.1-dev's scheduler config (dynamic shifting)
 FLUX_SCHEDULER_CONFIG = {

@@ -24,6 +24,8 @@ the source image as context tokens.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from tensordict import TensorDict
 
@@ -31,8 +33,14 @@ from pipelines.base import check_source_images, register_family
 from pipelines.flops import flux_forward_flops
 from pipelines.flux.adapter import FluxAdapter, latent_image_ids
 from pipelines.latent import pack_latents, unpack_latents
-from pipelines.shapes import parent_shape
+from pipelines.shapes import SHAPES, parent_shape, register_shape
 from pipelines.tiny import tiny_edit_prompts
+
+# the published shape: FLUX.1 Kontext runs FLUX.1-dev's transformer config (built through its builder)
+register_shape(dataclasses.replace(
+    SHAPES["flux_dev"], name="flux_kontext", family="flux_kontext",
+    source="black-forest-labs/FLUX.1-Kontext-dev transformer/config.json (FLUX.1-dev's)",
+), full=True, parent="flux_dev")
 
 
 def source_image_ids(h: int, w: int, device=None, dtype=torch.float32) -> torch.Tensor:

@@ -48,7 +48,16 @@ from pipelines.base import check_cfg_mode, register_family, torch_dtype
 from pipelines.flops import qwen_image_forward_flops
 from pipelines.latent import LatentFlowFamily, check_folder, load_common, own_memory, pack_latents, unpack_latents
 from pipelines.schedules import calculate_shift
-from pipelines.shapes import Shape, building, family_components, plain
+from pipelines.shapes import Shape, building, family_components, plain, register_shape
+
+# the family's published shapes (``model.options.shape``; pipelines.shapes)
+register_shape(Shape(
+    "qwen_image", "qwen_image",
+    dict(patch_size=2, in_channels=64, out_channels=16, num_layers=60, attention_head_dim=128, num_attention_heads=24,
+         joint_attention_dim=3584, axes_dims_rope=(16, 56, 56)),
+    dict(base_dim=96, z_dim=16, dim_mult=(1, 2, 4, 4), num_res_blocks=2, attn_scales=(), temperal_downsample=(False, True, True)),
+    {"qwen2_5_vl": 3584}, 512, 20.43, "Qwen/Qwen-Image transformer/config.json, vae/config.json",
+), full=True)
 
 PROMPT_TEMPLATE = (
     "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, spatial "

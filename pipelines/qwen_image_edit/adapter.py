@@ -30,6 +30,7 @@ image processor and a Qwen2.5-VL with a vision tower included).
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -39,8 +40,14 @@ from pipelines.base import check_source_images, register_family, resize_sources
 from pipelines.flops import qwen_image_forward_flops
 from pipelines.latent import check_folder, pack_latents, unpack_latents
 from pipelines.qwen_image.adapter import TOKENIZER_MAX_LENGTH, QwenImageAdapter, _trim_text, build_tiny_qwen_tokenizer, qwen_text_config
-from pipelines.shapes import Shape, building, parent_shape, resolve_shape
+from pipelines.shapes import SHAPES, Shape, building, parent_shape, register_shape, resolve_shape
 from pipelines.tiny import tiny_edit_prompts
+
+# the published shape: Qwen-Image-Edit runs Qwen-Image's transformer and VAE configs (built through its builder)
+register_shape(dataclasses.replace(
+    SHAPES["qwen_image"], name="qwen_image_edit", family="qwen_image_edit",
+    source="Qwen/Qwen-Image-Edit transformer/config.json, vae/config.json (Qwen-Image's)",
+), full=True, parent="qwen_image")
 
 EDIT_PROMPT_TEMPLATE = (
     "<|im_start|>system\nDescribe the key features of the input image (color, shape, size, texture, objects, background), "

@@ -32,8 +32,23 @@ from pipelines.base import check_cfg_mode, register_family, torch_dtype
 from pipelines.flops import mmdit_forward_flops
 from pipelines.latent import LatentFlowFamily, check_folder, load_common, load_tokenizer, own_memory
 from pipelines.schedules import flow_match_sigmas
-from pipelines.shapes import Shape, building, clip_config, family_components, plain, t5_config
+from pipelines.shapes import SD3_FLUX_VAE, Shape, building, clip_config, family_components, plain, register_shape, t5_config
 from pipelines.tiny import TINY_CLIP, TINY_T5, build_tiny_t5, build_tiny_t5_tokenizer, build_tiny_tokenizer, build_tiny_vae
+
+# the family's published shapes (``model.options.shape``; pipelines.shapes)
+register_shape(Shape(
+    "sd35_medium", "sd3",
+    dict(sample_size=128, patch_size=2, in_channels=16, out_channels=16, num_layers=24, attention_head_dim=64, num_attention_heads=24,
+         joint_attention_dim=4096, caption_projection_dim=1536, pooled_projection_dim=2048, pos_embed_max_size=384,
+         dual_attention_layers=tuple(range(13)), qk_norm="rms_norm"),
+    SD3_FLUX_VAE, {"clip_l": 768, "clip_g": 1280, "t5": 4096}, 256, 2.24, "stabilityai/stable-diffusion-3.5-medium transformer/config.json",
+))
+register_shape(Shape(
+    "sd35_large", "sd3",
+    dict(sample_size=128, patch_size=2, in_channels=16, out_channels=16, num_layers=38, attention_head_dim=64, num_attention_heads=38,
+         joint_attention_dim=4096, caption_projection_dim=2432, pooled_projection_dim=2048, pos_embed_max_size=192, qk_norm="rms_norm"),
+    SD3_FLUX_VAE, {"clip_l": 768, "clip_g": 1280, "t5": 4096}, 256, 8.06, "stabilityai/stable-diffusion-3.5-large transformer/config.json",
+), full=True)
 
 SD3_SCHEDULER_CONFIG = {"_class_name": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 3.0}
 

@@ -43,8 +43,22 @@ from pipelines.base import check_cfg_mode, register_family, torch_dtype
 from pipelines.flops import wan_forward_flops
 from pipelines.latent import LatentFlowFamily, check_folder, load_common, load_tokenizer, own_memory
 from pipelines.schedules import flow_match_sigmas
-from pipelines.shapes import Shape, building, family_components, plain, t5_config
+from pipelines.shapes import Shape, building, family_components, plain, register_shape, t5_config
 from pipelines.tiny import build_tiny_t5_tokenizer
+
+# the family's published shapes (``model.options.shape``; pipelines.shapes): Wan2.1's 14B and 1.3B differ in width and depth
+WAN21_VAE = dict(base_dim=96, z_dim=16, dim_mult=(1, 2, 4, 4), num_res_blocks=2, attn_scales=(), temperal_downsample=(False, True, True))
+
+
+def _wan21(name: str, heads: int, ffn_dim: int, layers: int, params_billion: float, repo: str) -> Shape:
+    transformer = dict(patch_size=(1, 2, 2), num_attention_heads=heads, attention_head_dim=128, in_channels=16, out_channels=16, text_dim=4096,
+                       freq_dim=256, ffn_dim=ffn_dim, num_layers=layers, cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6,
+                       rope_max_seq_len=1024)
+    return Shape(name, "wan", transformer, WAN21_VAE, {"umt5": 4096}, 512, params_billion, f"{repo} transformer/config.json, vae/config.json")
+
+
+register_shape(_wan21("wan21_14b", 40, 13824, 40, 14.29, "Wan-AI/Wan2.1-T2V-14B-Diffusers"), full=True)
+register_shape(_wan21("wan21_1_3b", 12, 8960, 30, 1.42, "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"))
 
 # Wan2.1-T2V's scheduler config (480p flow_shift); only flow_shift and num_train_timesteps are read
 WAN_SCHEDULER_CONFIG = {
