@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from diffrl.config import LoraConfig, ModelConfig, OptimConfig, SamplerConfig
 from diffrl.engine.engine import DiffusionEngine
+from diffrl.tools.cli import main
 
 
 def make_engine(adapter, sampler: SamplerConfig, *, lora_rank: int = 8, lora_alpha: float = 16.0, lora_target_modules=None,
@@ -23,3 +27,11 @@ def tiny_run_overrides(tmp_path, out, steps, prompts, *extra, checkpoint_every: 
         "trainer.group_size=3", "trainer.eval_seeds_per_prompt=1", "trainer.eval_every=100", f"trainer.checkpoint_every={checkpoint_every}",
         f"trainer.output_dir={out}", "trainer.progress=false", f"trainer.prompts={path}", *extra,
     ]
+
+
+def short_recipe_run(out: Path, experiment: str, steps: int) -> dict:
+    """The first ``steps`` steps of recipe ``experiment`` into ``out``, evaluated before and after on the 60 prompts × 1
+    held-out seed (no progress bar, no wandb); returns its ``summary.json``."""
+    assert main(["train", f"experiment={experiment}", f"trainer.steps={steps}", f"trainer.eval_every={steps}", "trainer.eval_seeds_per_prompt=1",
+                 f"trainer.checkpoint_every={steps}", "trainer.progress=false", "trainer.wandb=disabled", f"trainer.output_dir={out}"]) == 0
+    return json.loads((out / "summary.json").read_text())

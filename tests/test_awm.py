@@ -5,11 +5,11 @@ invariance of its objective: tests/test_algorithms.py.)"""
 
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
 import torch
+from helpers import short_recipe_run
 
 from diffrl.algorithms.awm_loss import AWM_WEIGHTINGS, awm_loss
 from diffrl.recipes import ConfigError, compose
@@ -183,8 +183,6 @@ def test_digits_awm_raises_gold_accuracy_in_a_short_run(tmp_path):
     """25 steps of the recipe (of its 150): gold accuracy on the 60 prompts × 1 held-out seed rises by ≥ 10 points
     (measured here: 0.483 → 0.683 in 25 s; the whole recipe: +50 points, RESULTS.md)."""
     out = tmp_path / "awm"
-    assert main(["train", "experiment=digits_awm", "trainer.steps=25", "trainer.eval_every=25", "trainer.eval_seeds_per_prompt=1",
-                 "trainer.checkpoint_every=25", "trainer.progress=false", "trainer.wandb=disabled", f"trainer.output_dir={out}"]) == 0
-    summary = json.loads((out / "summary.json").read_text())
+    summary = short_recipe_run(out, "digits_awm", 25)
     assert summary["gold_accuracy_after"] - summary["gold_accuracy_before"] >= 0.10, summary
     assert summary["reward_after"] > summary["reward_before"]

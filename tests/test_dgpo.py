@@ -4,11 +4,11 @@ the digits_dgpo recipe raising gold accuracy."""
 
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
 import torch
+from helpers import short_recipe_run
 from test_algorithms import _trajectories, assert_micro_batch_invariant
 
 from diffrl.algorithms import ALGORITHMS, build_algorithm
@@ -104,8 +104,6 @@ def test_registered_with_its_own_keys_and_one_line_errors(tmp_path, capsys):
 def test_digits_dgpo_raises_gold_accuracy_in_a_short_run(tmp_path):
     """25 steps of the recipe (of its 150): gold accuracy on the 60 prompts × 1 held-out seed rises by ≥ 10 points."""
     out = tmp_path / "dgpo"
-    assert main(["train", "experiment=digits_dgpo", "trainer.steps=25", "trainer.eval_every=25", "trainer.eval_seeds_per_prompt=1",
-                 "trainer.checkpoint_every=25", "trainer.progress=false", "trainer.wandb=disabled", f"trainer.output_dir={out}"]) == 0
-    summary = json.loads((out / "summary.json").read_text())
+    summary = short_recipe_run(out, "digits_dgpo", 25)
     assert summary["gold_accuracy_after"] - summary["gold_accuracy_before"] >= 0.10, summary
     assert summary["reward_after"] > summary["reward_before"]

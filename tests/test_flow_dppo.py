@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+from helpers import short_recipe_run
 from test_algorithms import PROMPTS, _trajectories, assert_micro_batch_invariant
 
 from diffrl.algorithms import ALGORITHMS, build_algorithm
@@ -123,9 +124,7 @@ def test_digits_flow_dppo_raises_gold_accuracy_in_a_short_run(tmp_path):
     """20 steps of the recipe (of its 100): gold accuracy on the 60 prompts × 1 held-out seed rises by ≥ 10 points,
     and the mask acted (some sample-steps of the later optimizer steps were outside the trust region)."""
     out = tmp_path / "dppo"
-    assert main(["train", "experiment=digits_flow_dppo", "trainer.steps=20", "trainer.eval_every=20", "trainer.eval_seeds_per_prompt=1",
-                 "trainer.checkpoint_every=20", "trainer.progress=false", "trainer.wandb=disabled", f"trainer.output_dir={out}"]) == 0
-    summary = json.loads((out / "summary.json").read_text())
+    summary = short_recipe_run(out, "digits_flow_dppo", 20)
     assert summary["gold_accuracy_after"] - summary["gold_accuracy_before"] >= 0.10, summary
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     masked = [r["masked_frac"] for r in rows if "masked_frac" in r]

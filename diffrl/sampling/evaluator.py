@@ -54,16 +54,16 @@ class Evaluator:
 
     Args:
         metrics: the eval metrics (rewards, the gold metric, judges).
-        eval_num_steps: deterministic sampling steps.
+        eval_num_steps: deterministic sampling steps; None samples with the run's own (stochastic) sampler instead.
         micro_batch_size: samples per denoiser forward (None: the whole batch).
         distribution: also the distribution metrics (diversity, near-duplicates, Fréchet with ``feature_space``).
         feature_space: the feature space of the distribution metrics (None: pixels only).
     """
 
-    def __init__(self, metrics: dict, *, eval_num_steps: int, micro_batch_size: int | None = None, distribution: bool = False,
+    def __init__(self, metrics: dict, *, eval_num_steps: int | None, micro_batch_size: int | None = None, distribution: bool = False,
                  feature_space: FeatureSpace | None = None):
         self.metrics = metrics
-        self.eval_num_steps = int(eval_num_steps)
+        self.eval_num_steps = None if eval_num_steps is None else int(eval_num_steps)
         self.micro_batch_size = int(micro_batch_size) if micro_batch_size else None
         self.distribution, self.feature_space = distribution, feature_space
 

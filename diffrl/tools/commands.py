@@ -46,7 +46,6 @@ from diffrl.logging import save_gif, save_grid
 from diffrl.recipes import Config, ConfigError, compose
 from diffrl.sampling.evaluation import eval_prompts_and_seeds
 from diffrl.sampling.evaluator import Evaluator
-from diffrl.sampling.request import SampleRequest, sample_batch
 from diffrl.resume import RunFolderError
 from diffrl.trainer import worker_config
 from pipelines.base import family_class, split_prompts
@@ -313,14 +312,9 @@ def run_sample(args) -> int:
     workers = build_workers(source)
     all_records = [p for p in prompts for _ in args.seeds]
     seeds = [s for _ in prompts for s in args.seeds]
-    evaluator = Evaluator(metrics, eval_num_steps=cfg.sampler.eval_num_steps, micro_batch_size=cfg.sampler.micro_batch_size)
-    policy = "ema" if adapter == "ema" else "current"
-    if args.stochastic:  # the rollout's own stochastic sampler, no step trained
-        texts, sources = split_prompts(all_records)
-        request = sample_batch(texts, seeds, SampleRequest(policy=policy, micro_batch_size=evaluator.micro_batch_size), source_images=sources)
-        result = evaluator.score(workers.generate_sequences(request)["images"], all_records, seeds)
-    else:
-        result = evaluator.run(workers.generate_sequences, all_records, seeds, policy=policy)
+    # --stochastic: the rollout's own stochastic sampler, no step trained
+    evaluator = Evaluator(metrics, eval_num_steps=None if args.stochastic else cfg.sampler.eval_num_steps, micro_batch_size=cfg.sampler.micro_batch_size)
+    result = evaluator.run(workers.generate_sequences, all_records, seeds, policy="ema" if adapter == "ema" else "current")
     images, all_prompts, sources, per_image = result.images, result.prompts, result.sources, result.outputs
     means = {f"eval/{name}": float(values.mean()) for name, values in result.scores.items()}
     (out / "images").mkdir(parents=True, exist_ok=True)
