@@ -1,4 +1,4 @@
-"""Run every digits recipe and compare them: gold accuracy against images sampled and wall time.
+"""Run every digits recipe and compare them under fidelity: gold counting only real-looking samples, gold, wall time.
 
     python benchmarks/compare_algorithms.py --out outputs/compare            # all recipes, one at a time
     python benchmarks/compare_algorithms.py --jobs 8 --threads 2 --out DIR   # in parallel (many cores)
@@ -9,7 +9,9 @@ threads). The script writes ``results.json`` (every run's evaluations and summar
 RESULTS.md table) and ``gold_curves.png`` (gold accuracy vs images sampled and vs wall time, plus
 training reward vs gold accuracy for the runs with and without the KL term, and — when the evaluations hold
 them — pixel diversity relative to the base model and the Fréchet distance to real digits vs images sampled)
-into ``--out``. What the reward misses (``diffrl.sampling.distribution``) gets its own columns: the second
+into ``--out``. The table is ranked by the fidelity headline (``summary.json``'s ``fidelity``: ``digits_fidelity``, the
+gold judge's accuracy over the samples within reach of a real digit, at the best evaluation whose feature diversity stays
+≥ 0.70 × the base's; issue 39), with the realness pass rate beside it. What the reward misses (``diffrl.sampling.distribution``) gets its own columns: the second
 judge before → after and whether its change disagrees with gold's beyond the noise, diversity relative to
 the base model, the near-duplicate share and the Fréchet distance before → after; runs whose evaluations
 lack these metrics show "–".
@@ -89,22 +91,45 @@ def _images_per_step(config_yaml: str) -> int:
     return int(cfg.trainer.prompts_per_step) * int(cfg.trainer.group_size)
 
 
+def fidelity_rank(result: dict) -> float:
+    """Sort key of the table (descending): the fidelity headline's gain (``summary.json``'s ``fidelity``, issue 39); a
+    run without one, or whose every trained evaluation collapsed below the diversity floor, ranks last."""
+    gain = (result.get("summary") or {}).get("fidelity", {}).get("gain") if result["returncode"] == 0 else None
+    return float("-inf") if gain is None else gain
+
+
+def fidelity_cells(summary: dict) -> list[str]:
+    """Cells of the headline under fidelity: fidelity gold before → at its best evaluation that keeps ≥ 0.70 × the base's
+    diversity (step), its gain in points, and the realness pass rate before → after ("–" without them; "none" when
+    every trained evaluation collapsed)."""
+    f = summary.get("fidelity")
+    before, after = summary["eval_before"], summary["eval_after"]
+    real = f"{before['eval/digits_real']:.3f} → {after['eval/digits_real']:.3f}" if "eval/digits_real" in before and "eval/digits_real" in after else "–"
+    if not f:
+        return ["–", "–", real]
+    if f["best"] is None:
+        return [f"{f['before']:.3f} → none (last {f['last']:.3f})", "none", real]
+    return [f"{f['before']:.3f} → {f['best']:.3f} (step {f['step']})", f"{100 * f['gain']:+.1f}", real]
+
+
 def write_table(results: list[dict], path: Path) -> str:
+    """The comparison table, ranked by the fidelity headline's gain (then as given)."""
     lines = [
-        ("| recipe | steps | images sampled | gold before | gold after | Δ gold (points) | reward before → after | paired t of the reward (improved share) "
+        ("| recipe | steps | images sampled | fidelity gold before → best (step) | Δ fidelity (points) | real pass before → after "
+         "| gold before | gold after | Δ gold (points) | reward before → after | paired t of the reward (improved share) "
          "| judge 2 before → after | judges disagree (Δgold − Δjudge ± se) | diversity px / feat (vs base) | near-dup pairs after | Fréchet before → after | wall (s) |"),
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    for r in results:
+    for r in sorted(results, key=fidelity_rank, reverse=True):
         if r["returncode"] != 0:
-            lines.append(f"| {r['name']} | failed: see {r['name']}.log |" + " |" * 12)
+            lines.append(f"| {r['name']} | failed: see {r['name']}.log |" + " |" * 15)
             continue
         s = r["summary"]
         delta = 100 * (s["gold_accuracy_after"] - s["gold_accuracy_before"])
         paired = s.get("paired_change", {}).get(_main_reward(r))
         t = f"{paired['t']:+.1f} ({paired['improved_fraction']:.0%})" if paired else "–"
         lines.append(
-            f"| {r['name']} | {s['steps']} | {s['steps'] * r['images_per_step']} | {s['gold_accuracy_before']:.3f} | "
+            f"| {r['name']} | {s['steps']} | {s['steps'] * r['images_per_step']} | {' | '.join(fidelity_cells(s))} | {s['gold_accuracy_before']:.3f} | "
             f"{s['gold_accuracy_after']:.3f} | {delta:+.1f} | {s['reward_before']:.4f} → {s['reward_after']:.4f} | {t} | "
             f"{' | '.join(collapse_cells(s))} | {s['wall_seconds']:.0f} |"
         )
@@ -117,7 +142,7 @@ def collapse_cells(summary: dict) -> list[str]:
     """Table cells of what the reward misses: judge 2 before → after, the disagreement flag, diversity
     relative to base, near-duplicates after, Fréchet before → after ("–" where the run lacks them)."""
     before, after = summary["eval_before"], summary["eval_after"]
-    judges = summary.get("judges") or {}
+    judges = {name: d for name, d in (summary.get("judges") or {}).items() if name != "digits_real"}  # realness: its own column
     judge = "; ".join(f"{d['judge_before']:.3f} → {d['judge_after']:.3f}" for d in judges.values()) or "–"
     flag = "; ".join(f"{'**yes**' if d['disagree'] else 'no'} ({d['difference']:+.3f} ± {d['stderr']:.3f})" for d in judges.values()) or "–"
     ratio = lambda k: f"{after[k] / before[k]:.2f}×" if k in before and k in after and before[k] > 0 else "–"

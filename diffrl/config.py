@@ -277,6 +277,14 @@ class AlgorithmConfig(OptimConfig):
     """trajectories per forward/backward on each worker (null: its whole share of the mini-batch)"""
 
 
+def eval_metric_names(reward: Any) -> list[str]:
+    """The evaluation's metrics of a reward config (the dataclass, its DictConfig or a plain dict), each once, in order:
+    ``reward.names``, ``reward.gold``, ``reward.fidelity``, ``reward.judges``."""
+    get = reward.get if hasattr(reward, "get") else (lambda key: getattr(reward, key, None))
+    optional = [get(key) for key in ("gold", "fidelity")]
+    return list(dict.fromkeys([*get("names"), *[n for n in optional if n], *(get("judges") or [])]))
+
+
 @dataclass
 class RewardConfig:
     CHECKS: ClassVar[dict[str, Check]] = {"async_chunks": at_least(1)}
@@ -291,6 +299,10 @@ class RewardConfig:
     judges: list[str] = field(default_factory=list)
     """more judges reported at evaluations beside gold (reward names, never trained on); summary.json flags a judge whose
     change over training differs from gold's beyond the evaluation noise (paired |t| > 2)"""
+    fidelity: Optional[str] = None
+    """the headline metric that counts a sample only when it is right and real (digits: digits_fidelity, the gold judge's
+    accuracy over the samples that pass a realness check); evaluated like gold, and summary.json's ``fidelity`` reports it at
+    the evaluation where it is highest while the diversity stays at least 0.70 × the base's; null: none"""
     feature_space: Optional[str] = None
     """a reward that also gives features(images) and reference_features(prompt) (diffrl.sampling.distribution.FeatureSpace):
     evaluations add feature diversity and the Fréchet distance to its real images (digits: digits_gold2); null: pixel

@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from diffrl.algorithms import ALGORITHMS, algorithm_class, check_config, group_class
 from diffrl.algorithms.policy_gradient import PolicyGradientConfig
-from diffrl.config import Check, ModelConfig, RewardConfig, SamplerConfig, TrainerConfig
+from diffrl.config import Check, ModelConfig, RewardConfig, SamplerConfig, TrainerConfig, eval_metric_names
 from diffrl.hub import HubError, is_hub_ref, offline, resolve_weights
 from diffrl.selection import metric_key
 from diffrl.sampling.schedules import WINDOW_KINDS
@@ -353,15 +353,15 @@ def validate(cfg: Config | DictConfig, *, hub_cache: bool = True) -> Config:
     weights = list(r.weights)
     _require(not weights or len(weights) == len(r.names), f"reward.weights has {len(weights)} entries for {len(r.names)} reward.names; give one weight per reward")
     _require(all(isinstance(w, (int, float)) and math.isfinite(w) for w in weights), f"reward.weights={weights} is invalid: each must be a finite number")
-    for name in [*r.names, *([r.gold] if r.gold else []), *r.judges, *([r.feature_space] if r.feature_space else [])]:
+    for name in [*eval_metric_names(r), *([r.feature_space] if r.feature_space else [])]:
         try:
             resolve_reward(name)
         except RewardError as exc:
-            raise ConfigError(f"reward {name!r} (reward.names / gold / judges / feature_space) is invalid: {exc}") from None
+            raise ConfigError(f"reward {name!r} (reward.names / gold / fidelity / judges / feature_space) is invalid: {exc}") from None
     t = cfg.trainer
     if t.select_by is not None:
         key, _ = metric_key(t.select_by)
-        metrics = [*r.names, *([r.gold] if r.gold else []), *r.judges]
+        metrics = eval_metric_names(r)
         _require(key[len("eval/"):] in metrics or t.select_by.lstrip("-+").startswith("eval/"),
                  f"trainer.select_by={t.select_by} names no evaluation metric: use a held-out judge ({', '.join([*([r.gold] if r.gold else []), *r.judges]) or 'none: set reward.gold or reward.judges'}) "
                  "or an eval/ key of metrics.jsonl (a leading - selects the lowest)")
@@ -381,7 +381,7 @@ def hub_weights(cfg: Config) -> list[tuple[str, str, str]]:
     if cfg.model.path is not None and is_hub_ref(cfg.model.path):
         out.append(("model.path", str(cfg.model.path), "family"))
     r = cfg.reward
-    for name in dict.fromkeys([*r.names, *([r.gold] if r.gold else []), *r.judges, *([r.feature_space] if r.feature_space else [])]):
+    for name in dict.fromkeys([*eval_metric_names(r), *([r.feature_space] if r.feature_space else [])]):
         refs = getattr(resolve_reward(name), "weight_refs", None)
         options = dict(r.options.get(name, {}) or {})
         for option, weights in (refs(options) if callable(refs) else {}).items():

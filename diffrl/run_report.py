@@ -10,7 +10,7 @@ from omegaconf import DictConfig
 from diffrl import checkpoint
 from diffrl.algorithms import Algorithm
 from diffrl.recipes import Config
-from diffrl.sampling.distribution import collapse_summary
+from diffrl.sampling.distribution import collapse_summary, fidelity_headline
 from diffrl.sampling.evaluation import run_paired_change
 
 
@@ -45,9 +45,9 @@ def throughput(cfg: Config | DictConfig, algorithm: Algorithm, flops, trained_st
 
 def run_summary(cfg: Config | DictConfig, output_dir: Path, reward_weights: dict[str, float], eval_metrics: list[str], gold_name: str | None,
                 judge_names: list[str], before: dict, after: dict, wall: float, steps: int, *, selected: dict | None = None,
-                stopped_early: dict | None = None) -> dict:
+                stopped_early: dict | None = None, fidelity_name: str | None = None) -> dict:
     """The run's ``summary.json``: the weighted reward and gold before and after, the paired per-sample changes of every
-    eval metric, what the reward misses (``collapse_summary``), skipped non-finite steps, the selected checkpoint and an
+    eval metric, what the reward misses (``collapse_summary``), the fidelity headline (``reward.fidelity``: :func:`fidelity_headline`), skipped non-finite steps, the selected checkpoint and an
     early stop."""
     reward_keys = [f"eval/{name}" for name in reward_weights]
     summary = {
@@ -71,6 +71,8 @@ def run_summary(cfg: Config | DictConfig, output_dir: Path, reward_weights: dict
     if paired is not None:
         summary["paired_change"] = paired
     summary.update(collapse_summary(before, after, output_dir, steps, gold_name, judge_names))
+    if fidelity_name:
+        summary["fidelity"] = fidelity_headline([r for r in records if r.get("kind") == "eval"], fidelity_name)
     if selected is not None:
         summary["selected"] = selected
     if stopped_early:

@@ -31,6 +31,7 @@ from tensordict import TensorDict
 
 from diffrl import checkpoint
 from diffrl.algorithms import Algorithm, RunContext, build_algorithm
+from diffrl.config import eval_metric_names
 from diffrl.data import check_edit_prompts, eval_subset, run_prompts, sample_metadata, step_prompts
 from diffrl.distributed import WorkerGroup, WorkerLostError, build_worker_group
 from diffrl.distributed.rollout import RolloutReplicas
@@ -138,11 +139,10 @@ class Trainer:
         self.rewards = {name: (build_reward(name, **options.get(name, {})), w) for name, w in run.reward_weights.items()}
         self.eval_metrics = {name: fn for name, (fn, _) in self.rewards.items()}
         self.gold_name = cfg.reward.gold
-        if self.gold_name:
-            self.eval_metrics[self.gold_name] = build_reward(self.gold_name, **options.get(self.gold_name, {}))
+        for name in eval_metric_names(cfg.reward):
+            if name not in self.eval_metrics:
+                self.eval_metrics[name] = build_reward(name, **options.get(name, {}))
         self.judge_names = [name for name in cfg.reward.judges if name != self.gold_name]
-        for name in self.judge_names:
-            self.eval_metrics.setdefault(name, build_reward(name, **options.get(name, {})))
         space = cfg.reward.feature_space
         self.feature_space = build_feature_space(space, options.get(space, {})) if space else None
         self._build_workers()
@@ -454,4 +454,5 @@ class Trainer:
         selected = None if best is None else {**best, "checkpoint": str(p) if (p := checkpoint_path(self.output_dir, best["step"])) else None}
         steps = self.stopped_early["step"] if self.stopped_early else int(self.cfg.trainer.steps)
         return run_summary(self.cfg, self.output_dir, {name: w for name, (_, w) in self.rewards.items()}, list(self.eval_metrics), self.gold_name,
-                           self.judge_names, before, after, wall, steps, selected=selected, stopped_early=self.stopped_early)
+                           self.judge_names, before, after, wall, steps, selected=selected, stopped_early=self.stopped_early,
+                           fidelity_name=self.cfg.reward.fidelity)

@@ -102,7 +102,11 @@ def train_generator(judge: DigitsClassifier, args) -> tuple[DigitsAdapter, dict]
         idx = torch.randint(0, len(labels), (args.batch_size,), generator=g)
         colour = torch.randint(0, len(COLOUR_NAMES), (args.batch_size,), generator=g)
         x0 = DigitsAdapter.images_to_latents(colourise(intens[idx], colour))
-        prompts = [make_prompt(int(d), int(c)) for d, c in zip(labels[idx], colour)]
+        said = labels[idx].clone()
+        if args.label_noise > 0:  # a prompt that names another digit than the image shows: weak prompt adherence
+            noisy = torch.rand(args.batch_size, generator=g) < args.label_noise
+            said[noisy] = torch.randint(0, 10, (int(noisy.sum()),), generator=g)
+        prompts = [make_prompt(int(d), int(c)) for d, c in zip(said, colour)]
         drop = torch.rand(args.batch_size, generator=g) < args.cond_dropout
         prompts = ["" if dr else p for p, dr in zip(prompts, drop.tolist())]
         seq, pooled = te.encode(prompts)
@@ -139,6 +143,9 @@ def main(argv=None) -> None:
     ap.add_argument("--max-steps", type=int, default=6000)
     ap.add_argument("--eval-every", type=int, default=200)
     ap.add_argument("--stop-at-gold", type=float, default=0.35)
+    ap.add_argument("--label-noise", type=float, default=0.0,
+                    help="share of training prompts whose digit is replaced by a random one (0: the shipped generator; "
+                         "> 0: a generator that draws real digits but follows the prompt's digit less often)")
     ap.add_argument("--guidance-scale", type=float, default=1.0, help="CFG scale of the base-accuracy evaluation")
     args = ap.parse_args(argv)
     torch.set_num_threads(max(1, torch.get_num_threads()))

@@ -13,6 +13,9 @@ prompt) and are family-agnostic; a family adds real data and a feature space thr
   is at 0.017, the mean at 0.12); the base generator's closest pair among 8 seeds of each of its 60 prompts
   is at 0.084 (mean 0.16).
 - **Feature diversity** (``diversity_feature``): the same mean pairwise L2 distance in the feature space.
+- **Fidelity headline** (:func:`fidelity_headline`): a metric that counts a sample only when it is right and real
+  (digits: ``digits_fidelity``), taken at the evaluation where it is highest while the diversity stays at least
+  :data:`DIVERSITY_FLOOR` × the base's, so a run that collapses onto a few hacked samples gains nothing there.
 - **Fréchet distance** (``frechet``): per prompt, the squared Fréchet distance between Gaussians fitted to
   the features of the prompt's samples and of real images of the prompt (``FeatureSpace.reference_features``),
   :func:`frechet_distance`, averaged over prompts (an FID for the miniature, conditioned on the prompt). With
@@ -233,6 +236,46 @@ def judge_disagreement(before_rows: list[dict], after_rows: list[dict], gold: st
         "difference": d["mean_change"], "stderr": d["stderr"], "t": d["t"],
         "agreement_before": agree(before_rows), "agreement_after": agree(after_rows),
         "disagree": bool(abs(d["mean_change"]) > z * d["stderr"]) if d["stderr"] == d["stderr"] else False,
+    }
+
+
+DIVERSITY_FLOOR = 0.70
+"""An evaluation counts for the fidelity headline only while its diversity is at least this share of the base's."""
+
+
+def fidelity_headline(evals: list[dict], metric: str, floor: float = DIVERSITY_FLOOR) -> dict:
+    """The headline of a run under fidelity: ``metric`` (e.g. ``digits_fidelity``: right *and* real) at the evaluation
+    where it is highest among those whose diversity stays ``≥ floor ×`` the base's.
+
+    Args:
+        evals: the run's evaluation records in step order (``metrics.jsonl`` rows of kind ``eval``: ``step``,
+            ``eval/<name>``); the first is the base (step 0).
+        metric: the eval metric's name (without ``eval/``).
+
+    Returns:
+        ``before`` (the base's value), ``best`` / ``step`` / ``gain`` (``None`` when no trained evaluation keeps the
+        diversity: "none"), ``last`` / ``last_gain`` (the final evaluation, whatever its diversity), ``diversity_key``
+        (feature diversity, else pixel diversity; ``None`` when the evaluations measured neither: no floor applies),
+        ``diversity_floor`` (the value an evaluation must reach) and ``diversity_at_best``.
+
+    Raises:
+        KeyError: naming the metric when an evaluation lacks it.
+    """
+    key = f"eval/{metric}"
+    if not evals or any(key not in e for e in evals):
+        raise KeyError(f"fidelity headline: the evaluations lack {key}; evaluate with reward.fidelity={metric}")
+    base, trained = evals[0], evals[1:]
+    div = next((f"eval/{k}" for k in ("diversity_feature", "diversity_pixel") if all(f"eval/{k}" in e for e in evals)), None)
+    bar = floor * base[div] if div else None
+    kept = [e for e in trained if div is None or e[div] >= bar]
+    best = max(kept, key=lambda e: e[key], default=None)  # the first of equal values: the earliest evaluation
+    last = trained[-1] if trained else base
+    return {
+        "metric": metric, "before": base[key],
+        "best": None if best is None else best[key], "step": None if best is None else best["step"],
+        "gain": None if best is None else best[key] - base[key],
+        "last": last[key], "last_gain": last[key] - base[key],
+        "diversity_key": div, "diversity_floor": bar, "diversity_at_best": None if best is None or div is None else best[div],
     }
 
 

@@ -28,6 +28,7 @@ import torch
 
 from diffrl import wandb_file
 from diffrl.checkpoint import list_checkpoints
+from diffrl.config import eval_metric_names
 from diffrl.data import eval_subset, run_prompts
 from diffrl.recipes import to_config
 from diffrl.distributed.workers import TrainingWorker
@@ -326,7 +327,7 @@ def eval_metrics(run: Run | str | Path) -> dict:
     (run,) = _as_runs(run)
     r = run.config["reward"]
     options = r.get("options") or {}
-    names = dict.fromkeys([*r["names"], *([r["gold"]] if r.get("gold") else []), *(r.get("judges") or [])])
+    names = eval_metric_names(r)
     return {name: build_reward(name, **options.get(name, {})) for name in names}
 
 

@@ -38,6 +38,7 @@ import torch
 from safetensors.torch import load_file
 
 from diffrl.checkpoint import checkpoint_adapters, list_checkpoints, write_json_atomic
+from diffrl.config import eval_metric_names
 from diffrl.data import check_edit_prompts, eval_subset, run_prompts, sample_metadata
 from diffrl.data import read_prompts as read_prompt_source
 from diffrl.distributed import build_worker_group
@@ -254,7 +255,7 @@ def build_metrics(cfg, names: list[str] | None = None) -> dict:
 
     options = OmegaConf.to_container(cfg.reward.options, resolve=True)
     if names is None:
-        names = list(cfg.reward.names) + ([cfg.reward.gold] if cfg.reward.gold else []) + list(cfg.reward.get("judges") or [])
+        names = eval_metric_names(cfg.reward)
     return {name: build_reward(name, **options.get(name, {})) for name in dict.fromkeys(names)}
 
 

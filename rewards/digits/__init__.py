@@ -6,6 +6,8 @@ judge's argmax digit and colour both match the prompt, else 0 — used for evalu
 ``digits_gold2``: the same for a second judge that shares neither data nor architecture with the two
 classifiers (``judge2``: trained on the digits in neither of their training splits, colour by a rule, digit
 by an MLP on the 8×8 intensity); its hidden layer is the feature space of the distribution metrics.
+``digits_real`` / ``digits_fidelity``: is the sample within reach of a real digit at all (no classifier), and the
+gold judge's accuracy counting only such samples (``realness``).
 
 The package holds the digits world (``data``: palette, prompts, the sklearn digits), the classifiers
 (``classifiers``) and their safetensors I/O (``io``); the generator family ``pipelines.digits`` builds on it.
@@ -16,26 +18,15 @@ from __future__ import annotations
 import torch
 
 from rewards.base import Reward, register_reward
-from rewards.digits.classifiers import DigitsClassifier
+from rewards.digits.classifiers import DigitsClassifier, prompt_targets, judge_correct
 from rewards.digits.compose_judge import DigitsComposeGold
-from rewards.digits.data import ASSET_DIR, parse_prompt
+from rewards.digits.data import ASSET_DIR
 from rewards.digits.edit import DigitsEditGold, DigitsEditReward
 from rewards.digits.judge2 import DigitsGold2
+from rewards.digits.realness import DigitsFidelity, DigitsReal
+from rewards.digits.stroke import DigitsStroke
 
-__all__ = ["DigitsComposeGold", "DigitsEditGold", "DigitsEditReward", "DigitsGold", "DigitsGold2", "DigitsReward", "judge_correct"]
-
-
-def _targets(prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-    parsed = [parse_prompt(p) for p in prompts]
-    return torch.tensor([d for d, _ in parsed]), torch.tensor([c for _, c in parsed])
-
-
-@torch.no_grad()
-def judge_correct(judge: DigitsClassifier, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
-    """``[B]`` bool: the classifier's argmax digit and colour both match each prompt."""
-    digit, colour = _targets(prompts)
-    d_logits, c_logits = judge(images.float() / 255.0)
-    return (d_logits.argmax(-1) == digit) & (c_logits.argmax(-1) == colour)
+__all__ = ["DigitsComposeGold", "DigitsEditGold", "DigitsEditReward", "DigitsFidelity", "DigitsGold", "DigitsGold2", "DigitsReal", "DigitsReward", "DigitsStroke", "judge_correct"]
 
 
 @register_reward("digits")
@@ -56,7 +47,7 @@ class DigitsReward(Reward):
     def __call__(self, images: torch.Tensor, prompts: list[str], metadata=None) -> dict[str, torch.Tensor]:
         if images.ndim != 4 or tuple(images.shape[1:]) != (3, 16, 16):
             raise ValueError(f"the digits reward reads images [B, 3, 16, 16] (the miniature's size), got {tuple(images.shape)}")
-        digit, colour = _targets(prompts)
+        digit, colour = prompt_targets(prompts)
         d_logits, c_logits = self.model(images.to(self.device).float() / 255.0)
         p_digit = d_logits.softmax(-1).gather(1, digit.to(self.device)[:, None])[:, 0]
         p_colour = c_logits.softmax(-1).gather(1, colour.to(self.device)[:, None])[:, 0]
