@@ -7,7 +7,8 @@ composition.
 
 A loss function is ``loss_fn(step: dict, batch: TensorDict, k: int) -> (loss, metrics)`` where
 ``step`` holds ``log_prob``, ``mean``, ``std`` of the current policy at step ``k`` and, when
-``loss_fn.needs_reference`` is true, ``ref_mean`` and ``ref_log_prob`` of the reference policy.
+``loss_fn.needs_reference`` is true, ``ref_mean`` and ``ref_log_prob`` of the reference policy (the base model, or the
+``old`` adapter when ``loss_fn.reference_policy == "old"``: GARDO's adaptive reference).
 """
 
 from __future__ import annotations
@@ -373,8 +374,8 @@ class DiffusionEngine:
         for k in steps:
             out = self._score_step(self.adapter, micro, k)
             step_out = {"log_prob": out.log_prob, "mean": out.mean, "std": out.std}
-            if getattr(loss_fn, "needs_reference", False):
-                with torch.no_grad(), self.reference() as ref:
+            if getattr(loss_fn, "needs_reference", False):  # the base model, or the old adapter (GARDO's adaptive reference)
+                with torch.no_grad(), (self.old_policy() if getattr(loss_fn, "reference_policy", "base") == "old" else self.reference()) as ref:
                     ref_out = self._score_step(ref, micro, k)
                 step_out.update(ref_mean=ref_out.mean, ref_log_prob=ref_out.log_prob)
             loss, metrics = loss_fn(step_out, micro, k)
