@@ -241,11 +241,14 @@ def test_load_policy_reproduces_the_last_evaluation(runs):
     # the same through sample_eval / eval_metrics (the notebooks' path), per sample against the sample file
     images, prompts_b, _ = sample_eval(run, worker.adapter)
     scores = per_sample_scores(images, prompts_b, eval_metrics(run))
-    assert sorted(scores) == ["digits", "digits_gold", "digits_gold2"]  # the reward, gold and the second judge
+    # the reward, gold, the fidelity headline, the second judge and the realness check
+    assert sorted(scores) == ["digits", "digits_fidelity", "digits_gold", "digits_gold2", "digits_real"]
     logged = run.samples(3)
     assert scores["digits"].tolist() == pytest.approx(logged["digits"].tolist(), abs=1e-6)
     assert scores["digits_gold"].tolist() == logged["digits_gold"].tolist()
     assert scores["digits_gold2"].tolist() == logged["digits_gold2"].tolist()
+    assert scores["digits_fidelity"].tolist() == logged["digits_fidelity"].tolist()
+    assert scores["digits_real"].tolist() == logged["digits_real"].tolist()
 
 
 def test_grid_images_give_back_the_logged_images_exactly(logged):
