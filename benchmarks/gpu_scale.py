@@ -528,7 +528,7 @@ def speedups(results: dict) -> None:
 
 def engine_forward_flops(adapter, s, args, n_text: int) -> float:
     """The family's analytic forward FLOPs (``pipelines.flops``) at this run's prompt length."""
-    adapter.prompt_tokens = lambda: n_text  # the formula's text length: this run's prompts, not the family's default prompt
+    adapter.prompt_tokens = lambda *_, **__: n_text  # the formula's text length: this run's prompts (an editing family passes the size)
     try:
         return float(adapter.forward_flops(s["height"], s["width"], lora_rank=args.rank))
     except Exception:  # noqa: BLE001 - a family without a formula at this shape: the executed count still stands
