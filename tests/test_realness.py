@@ -12,7 +12,8 @@ from safetensors import safe_open
 from diffrl.config import RewardConfig, eval_metric_names
 from diffrl.sampling.distribution import DIVERSITY_FLOOR, fidelity_headline
 from rewards.base import build_reward
-from rewards.digits.classifiers import DigitsClassifier, judge_correct
+from rewards.digits import judge_correct
+from rewards.digits.classifiers import DigitsClassifier
 from rewards.digits.data import ASSET_DIR, load_digit_intensities, make_prompt
 from rewards.digits.judge2 import render
 from rewards.digits.realness import PASS_QUANTILE, nearest_distance, realness_check, realness_features, realness_split, rendered_real

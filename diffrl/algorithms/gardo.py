@@ -37,11 +37,10 @@ from typing import ClassVar
 import torch
 from tensordict import TensorDict
 
-from diffrl.algorithms.base import RolloutPlan, StepResult, register_algorithm
+from diffrl.algorithms.base import StepResult, register_algorithm
 from diffrl.algorithms.losses import flow_grpo_loss, step_kl
 from diffrl.algorithms.policy_gradient import GroupAdvantageAlgorithm
 from diffrl.config import AlgorithmConfig, Check, at_least, between, positive
-from diffrl.sampling.schedules import WindowMasks
 
 P_MIN, P_MAX, P_UP, P_DOWN, HISTORY = 0.02, 0.2, 1.1, 0.9, 20
 
@@ -186,9 +185,6 @@ class GARDO(GroupAdvantageAlgorithm):
     def objective(self):
         a = self.config
         return GARDOStepLoss(clip_range=a.clip_range, kl_beta=a.kl_beta, kl_dt_scale=a.kl_dt_scale)
-
-    def rollout_plan(self, masks: WindowMasks) -> RolloutPlan:
-        return RolloutPlan("current", masks.trained, masks.stochastic)
 
     def rollout_advantages(self, traj: TensorDict, scores: dict) -> torch.Tensor:
         a = self.config

@@ -18,15 +18,31 @@ from __future__ import annotations
 import torch
 
 from rewards.base import Reward, register_reward
-from rewards.digits.classifiers import DigitsClassifier, prompt_targets, judge_correct
+from rewards.digits.classifiers import DigitsClassifier
 from rewards.digits.compose_judge import DigitsComposeGold
-from rewards.digits.data import ASSET_DIR
+from rewards.digits.data import ASSET_DIR, parse_prompt
 from rewards.digits.edit import DigitsEditGold, DigitsEditReward
 from rewards.digits.judge2 import DigitsGold2
-from rewards.digits.realness import DigitsFidelity, DigitsReal
+from rewards.digits.realness import DigitsReal, realness_check
 from rewards.digits.stroke import DigitsStroke
 
-__all__ = ["DigitsComposeGold", "DigitsEditGold", "DigitsEditReward", "DigitsFidelity", "DigitsGold", "DigitsGold2", "DigitsReal", "DigitsReward", "DigitsStroke", "judge_correct"]
+__all__ = [
+    "DigitsComposeGold", "DigitsEditGold", "DigitsEditReward", "DigitsFidelity", "DigitsGold", "DigitsGold2", "DigitsReal", "DigitsReward",
+    "DigitsStroke", "judge_correct",
+]
+
+
+def _targets(prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    parsed = [parse_prompt(p) for p in prompts]
+    return torch.tensor([d for d, _ in parsed]), torch.tensor([c for _, c in parsed])
+
+
+@torch.no_grad()
+def judge_correct(judge: DigitsClassifier, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+    """``[B]`` bool: the classifier's argmax digit and colour both match each prompt."""
+    digit, colour = _targets(prompts)
+    d_logits, c_logits = judge(images.float() / 255.0)
+    return (d_logits.argmax(-1) == digit) & (c_logits.argmax(-1) == colour)
 
 
 @register_reward("digits")
@@ -47,7 +63,7 @@ class DigitsReward(Reward):
     def __call__(self, images: torch.Tensor, prompts: list[str], metadata=None) -> dict[str, torch.Tensor]:
         if images.ndim != 4 or tuple(images.shape[1:]) != (3, 16, 16):
             raise ValueError(f"the digits reward reads images [B, 3, 16, 16] (the miniature's size), got {tuple(images.shape)}")
-        digit, colour = prompt_targets(prompts)
+        digit, colour = _targets(prompts)
         d_logits, c_logits = self.model(images.to(self.device).float() / 255.0)
         p_digit = d_logits.softmax(-1).gather(1, digit.to(self.device)[:, None])[:, 0]
         p_colour = c_logits.softmax(-1).gather(1, colour.to(self.device)[:, None])[:, 0]
@@ -68,3 +84,22 @@ class DigitsGold(Reward):
         if images.ndim != 4 or tuple(images.shape[1:]) != (3, 16, 16):
             raise ValueError(f"the digits gold judge reads images [B, 3, 16, 16] (the miniature's size), got {tuple(images.shape)}")
         return {self.name: judge_correct(self.model, images.to(self.device), prompts).float().cpu()}
+
+
+@register_reward("digits_fidelity")
+class DigitsFidelity(DigitsGold):
+    """Fidelity gold: 1.0 when the gold judge reads the prompt's digit and colour **and** the sample passes the
+    realness check (:mod:`rewards.digits.realness`), else 0.0; evaluation only. Also outputs ``digits_real``.
+
+    Args:
+        path: folder of the gold judge (default: the shipped ``assets/digits/gold_classifier``).
+    """
+
+    def __init__(self, path: str | None = None, device: str = "cpu"):
+        super().__init__(path, device)
+        self.check = realness_check()
+
+    def __call__(self, images: torch.Tensor, prompts: list[str], metadata=None) -> dict[str, torch.Tensor]:
+        right = super().__call__(images, prompts)[self.name].bool()
+        real = self.check.passes(images.cpu())
+        return {self.name: (real & right).float(), "digits_real": real.float()}

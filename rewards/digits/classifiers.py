@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from rewards.digits.data import COLOUR_NAMES, parse_prompt
+from rewards.digits.data import COLOUR_NAMES
 from rewards.digits.io import JsonSafetensorsMixin
 
 ARCHITECTURES = ("cnn", "strided_cnn", "mlp")
@@ -59,17 +59,3 @@ class DigitsClassifier(JsonSafetensorsMixin, nn.Module):
         """``images [B, 3, 16, 16]`` in [0, 1] → (digit logits ``[B, 10]``, colour logits ``[B, 6]``)."""
         h = self.trunk(images * 2.0 - 1.0)
         return self.digit_head(h), self.colour_head(h)
-
-
-def prompt_targets(prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(digit [B], colour [B])`` indices the digits prompts ask for (:func:`rewards.digits.data.parse_prompt`)."""
-    parsed = [parse_prompt(p) for p in prompts]
-    return torch.tensor([d for d, _ in parsed]), torch.tensor([c for _, c in parsed])
-
-
-@torch.no_grad()
-def judge_correct(judge: DigitsClassifier, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
-    """``[B]`` bool: the classifier's argmax digit and colour both match each prompt."""
-    digit, colour = prompt_targets(prompts)
-    d_logits, c_logits = judge(images.float() / 255.0)
-    return (d_logits.argmax(-1) == digit) & (c_logits.argmax(-1) == colour)

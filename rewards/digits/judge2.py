@@ -79,12 +79,16 @@ def read_colour(images: torch.Tensor) -> torch.Tensor:
     return (F.normalize(mean_rgb, dim=1) @ palette.T).argmax(1)
 
 
-def intensity_8x8(images: torch.Tensor, colour: torch.Tensor) -> torch.Tensor:
-    """``images [B, 3, 16, 16]`` in [0, 1] projected on palette colour ``colour [B]`` (least squares,
-    ``<x, c> / <c, c>`` per pixel, clipped to [0, 1]) and average-pooled to 8×8 → ``[B, 64]``."""
+def ink_intensity(images: torch.Tensor, colour: torch.Tensor) -> torch.Tensor:
+    """``images [B, 3, H, W]`` in [0, 1] projected on palette colour ``colour [B]`` (least squares, ``<x, c> / <c, c>``
+    per pixel) and clipped to [0, 1] → ``[B, 1, H, W]``."""
     c = PALETTE.to(images)[colour]
-    intensity = (images * c[:, :, None, None]).sum(1, keepdim=True) / (c * c).sum(1).view(-1, 1, 1, 1)
-    return F.avg_pool2d(intensity.clamp(0, 1), 2).flatten(1)
+    return ((images * c[:, :, None, None]).sum(1, keepdim=True) / (c * c).sum(1).view(-1, 1, 1, 1)).clamp(0, 1)
+
+
+def intensity_8x8(images: torch.Tensor, colour: torch.Tensor) -> torch.Tensor:
+    """:func:`ink_intensity` of ``images [B, 3, 16, 16]`` average-pooled to 8×8 → ``[B, 64]``."""
+    return F.avg_pool2d(ink_intensity(images, colour), 2).flatten(1)
 
 
 class Judge2(JsonSafetensorsMixin, nn.Module):

@@ -18,8 +18,9 @@ calibration, 15 % test; :attr:`RealnessCheck.test_pass` is the pass rate of the 
 neither set τ nor serve as neighbours (≈ 0.95 when the calibration generalises).
 
 ``digits_real`` scores 1.0 for a sample that passes (``digits_real_distance``: its distance);
-``digits_fidelity`` scores 1.0 when the gold judge reads the prompt's digit and colour **and** the sample
-passes: the headline that counts only what a person would count (``reward.fidelity``).
+``digits_fidelity`` (``rewards.digits``, beside the gold judge it extends) scores 1.0 when the gold judge reads the
+prompt's digit and colour **and** the sample passes: the headline that counts only what a person would count
+(``reward.fidelity``).
 """
 
 from __future__ import annotations
@@ -29,8 +30,7 @@ from functools import lru_cache
 import torch
 
 from rewards.base import Reward, register_reward
-from rewards.digits.classifiers import DigitsClassifier, judge_correct
-from rewards.digits.data import ASSET_DIR, COLOUR_NAMES, load_digit_intensities
+from rewards.digits.data import COLOUR_NAMES, load_digit_intensities
 from rewards.digits.judge2 import intensity_8x8, read_colour, render
 
 SPLIT_SEED = 33
@@ -118,25 +118,3 @@ class DigitsReal(Reward):
     def __call__(self, images: torch.Tensor, prompts: list[str], metadata=None) -> dict[str, torch.Tensor]:
         d = self.check.distance(images.cpu())
         return {self.name: (d <= self.check.threshold).float(), f"{self.name}_distance": d}
-
-
-@register_reward("digits_fidelity")
-class DigitsFidelity(Reward):
-    """Fidelity gold: 1.0 when the gold judge reads the prompt's digit and colour **and** the sample passes the
-    realness check, else 0.0; evaluation only.
-
-    Args:
-        path: folder of the gold judge (default: the shipped ``assets/digits/gold_classifier``).
-    """
-
-    unit = "accuracy in {0, 1}"
-
-    def __init__(self, path: str | None = None, device: str = "cpu"):
-        self.device = device
-        self.gold = DigitsClassifier.from_pretrained(path or ASSET_DIR / "gold_classifier").to(device)
-        self.check = realness_check()
-
-    def __call__(self, images: torch.Tensor, prompts: list[str], metadata=None) -> dict[str, torch.Tensor]:
-        real = self.check.passes(images.cpu())
-        right = judge_correct(self.gold, images.to(self.device), prompts).cpu()
-        return {self.name: (real & right).float(), "digits_real": real.float()}

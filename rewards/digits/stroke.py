@@ -20,14 +20,13 @@ import torch
 
 from rewards.base import Reward, register_reward
 from rewards.digits.data import COLOUR_NAMES, load_digit_intensities
-from rewards.digits.judge2 import PALETTE, read_colour, render
+from rewards.digits.judge2 import ink_intensity, read_colour, render
 
 
 def stroke_statistics(images: torch.Tensor) -> torch.Tensor:
     """uint8 (or float in [0, 1]) ``[B, 3, 16, 16]`` → ``[B, 3]``: ink share, solid share, total variation."""
     x = images.float() / 255.0 if images.dtype == torch.uint8 else images.float()
-    c = PALETTE.to(x)[read_colour(x)]
-    ink = ((x * c[:, :, None, None]).sum(1) / (c * c).sum(1)[:, None, None]).clamp(0, 1)
+    ink = ink_intensity(x, read_colour(x))[:, 0]
     tv = (ink[:, 1:, :] - ink[:, :-1, :]).abs().mean((1, 2)) + (ink[:, :, 1:] - ink[:, :, :-1]).abs().mean((1, 2))
     return torch.stack([(ink > 0.3).float().mean((1, 2)), (ink > 0.9).float().mean((1, 2)), tv], 1)
 
