@@ -33,6 +33,7 @@ from pipelines.schedules import logit_normal_sigmas
 from rewards.digits import judge_correct
 from rewards.digits.classifiers import DigitsClassifier
 from rewards.digits.data import COLOUR_NAMES, all_prompts, colourise, load_digit_intensities, make_prompt, split_indices
+from rewards.digits.realness import realness_check
 
 
 def augment(x: torch.Tensor, g: torch.Generator) -> torch.Tensor:
@@ -77,14 +78,18 @@ def train_classifier(architecture: str, seed: int, split_seed: int, epochs: int 
 
 
 @torch.no_grad()
-def gold_accuracy(adapter, judge: DigitsClassifier, guidance_scale: float, seeds_per_prompt: int = 4, eval_seed: int = 1234) -> float:
-    """Gold accuracy of 10-step ODE samples: every prompt × ``seeds_per_prompt`` held-out seeds.
+def base_scores(adapter, judge: DigitsClassifier, guidance_scale: float, seeds_per_prompt: int = 4, eval_seed: int = 1234) -> dict:
+    """Gold accuracy, realness pass rate (``rewards.digits.realness``) and fidelity gold (right **and** real) of
+    10-step ODE samples: every prompt × ``seeds_per_prompt`` held-out seeds.
 
     The same prompts, seeds and sampler as the trainer's evaluation (``trainer.eval_seed=1234``).
     """
     prompts, seeds = eval_prompts_and_seeds(all_prompts(), seeds_per_prompt, eval_seed)
     td = sample_trajectories(adapter, prompts, settings=SamplerConfig(num_steps=10, kind="ode", guidance_scale=guidance_scale), seeds=seeds)
-    return judge_correct(judge, td["images"], prompts).float().mean().item()
+    right = judge_correct(judge, td["images"], prompts)
+    real = realness_check().passes(td["images"])
+    return {"gold_accuracy": right.float().mean().item(), "realness": real.float().mean().item(),
+            "fidelity_gold": (right & real).float().mean().item()}
 
 
 def train_generator(judge: DigitsClassifier, args) -> tuple[DigitsAdapter, dict]:
@@ -106,7 +111,11 @@ def train_generator(judge: DigitsClassifier, args) -> tuple[DigitsAdapter, dict]
         if args.label_noise > 0:  # a prompt that names another digit than the image shows: weak prompt adherence
             noisy = torch.rand(args.batch_size, generator=g) < args.label_noise
             said[noisy] = torch.randint(0, 10, (int(noisy.sum()),), generator=g)
-        prompts = [make_prompt(int(d), int(c)) for d, c in zip(said, colour)]
+        said_colour = colour.clone()
+        if args.colour_noise > 0:  # a prompt that names another colour than the image shows: weak colour adherence
+            noisy = torch.rand(args.batch_size, generator=g) < args.colour_noise
+            said_colour[noisy] = torch.randint(0, len(COLOUR_NAMES), (int(noisy.sum()),), generator=g)
+        prompts = [make_prompt(int(d), int(c)) for d, c in zip(said, said_colour)]
         drop = torch.rand(args.batch_size, generator=g) < args.cond_dropout
         prompts = ["" if dr else p for p, dr in zip(prompts, drop.tolist())]
         seq, pooled = te.encode(prompts)
@@ -122,11 +131,11 @@ def train_generator(judge: DigitsClassifier, args) -> tuple[DigitsAdapter, dict]
         opt.step()
         if step % args.eval_every == 0:
             model.eval(); te.eval()
-            acc = gold_accuracy(adapter, judge, args.guidance_scale)
+            scores = base_scores(adapter, judge, args.guidance_scale)
             model.train(); te.train()
-            history.append({"step": step, "loss": loss.item(), "gold_accuracy": acc, "seconds": time.time() - t0})
+            history.append({"step": step, "loss": loss.item(), **scores, "seconds": time.time() - t0})
             print(json.dumps(history[-1]), flush=True)
-            if acc >= args.stop_at_gold:
+            if scores["gold_accuracy"] >= args.stop_at_gold or scores["realness"] >= args.stop_at_real:
                 break
     model.eval(); te.eval().requires_grad_(False)
     model.requires_grad_(False)
@@ -143,9 +152,14 @@ def main(argv=None) -> None:
     ap.add_argument("--max-steps", type=int, default=6000)
     ap.add_argument("--eval-every", type=int, default=200)
     ap.add_argument("--stop-at-gold", type=float, default=0.35)
+    ap.add_argument("--stop-at-real", type=float, default=1.01,
+                    help="also stop at the first evaluation whose realness pass rate reaches this (rewards.digits.realness)")
     ap.add_argument("--label-noise", type=float, default=0.0,
                     help="share of training prompts whose digit is replaced by a random one (0: the shipped generator; "
                          "> 0: a generator that draws real digits but follows the prompt's digit less often)")
+    ap.add_argument("--colour-noise", type=float, default=0.0,
+                    help="share of training prompts whose colour is replaced by a random one (the digit's shape stays the "
+                         "prompt's: a generator that draws real digits but follows the prompt's colour less often)")
     ap.add_argument("--guidance-scale", type=float, default=1.0, help="CFG scale of the base-accuracy evaluation")
     args = ap.parse_args(argv)
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -159,11 +173,12 @@ def main(argv=None) -> None:
     gold_clf.save_pretrained(out / "gold_classifier")
     adapter, gen_meta = train_generator(gold_clf, args)
     adapter.save_pretrained(out)
-    base = {str(g): gold_accuracy(adapter, gold_clf, g) for g in (1.0, 2.0, 4.5)}
+    by_guidance = {str(g): base_scores(adapter, gold_clf, g) for g in (1.0, 2.0, 4.5)}
+    base = {g: v["gold_accuracy"] for g, v in by_guidance.items()}
     meta = {"args": vars(args), "reward_classifier": reward_meta, "gold_classifier": gold_meta,
-            "generator": gen_meta, "base_gold_accuracy_by_guidance": base}
+            "generator": gen_meta, "base_gold_accuracy_by_guidance": base, "base_scores_by_guidance": by_guidance}
     (out / "metadata.json").write_text(json.dumps(meta, indent=2))
-    print(json.dumps({"base_gold_accuracy_by_guidance": base}), flush=True)
+    print(json.dumps({"base_scores_by_guidance": by_guidance}), flush=True)
 
 
 if __name__ == "__main__":
