@@ -10,7 +10,7 @@ prompt) and are family-agnostic; a family adds real data and a feature space thr
 - **Near-duplicate fraction** (``near_duplicate_frac``): the share of those pairs closer than
   :data:`NEAR_DUPLICATE_RMS` = 0.03 RMS (about 8 of 255 grey levels): the pair looks identical. On the digits
   miniature 0.009 % of the pairs of distinct real digits of one class (same colour) come closer (the closest
-  is at 0.017, the mean at 0.12); the base generator's closest pair among 8 seeds of each of its 60 prompts
+  is at 0.017, the mean at 0.12); the base generator's (the one shipped before 2026-12-05) closest pair among 8 seeds of each of its 60 prompts
   is at 0.084 (mean 0.16).
 - **Feature diversity** (``diversity_feature``): the same mean pairwise L2 distance in the feature space.
 - **Fidelity headline** (:func:`fidelity_headline`): a metric that counts a sample only when it is right and real
@@ -22,7 +22,7 @@ prompt) and are family-agnostic; a family adds real data and a feature space thr
   a handful of seeds per prompt the estimate is biased upwards (a rank-deficient covariance), the same bias
   before and after training but not across sample sizes: compare values at equal seeds per prompt, and
   against the floor of as many real samples (``benchmarks/collapse.py``; digits, 8 seeds per prompt: real
-  digits 32.7, the base generator 94.7; with the trainer's 4 evaluation seeds the base gives 120.6).
+  digits 32.7, the base generator shipped before 2026-12-05 94.7; with the trainer's 4 evaluation seeds the base gives 120.6).
   ``frechet_pooled``: one Fréchet distance between all samples and the mixture of their prompts' real sets
   (each prompt weighted by its number of samples), less biased, less sensitive to collapse within a prompt
   (digits, 8 seeds: real 1.0, base 34.2).
