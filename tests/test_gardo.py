@@ -155,7 +155,7 @@ def test_registered_with_its_own_keys_and_one_line_errors(tmp_path, capsys):
 @pytest.mark.recipe
 def test_digits_gardo_raises_gold_accuracy_in_a_short_run(tmp_path):
     out = tmp_path / "gardo"
-    summary = short_recipe_run(out, "digits_gardo", 20)
+    summary = short_recipe_run(out, "digits_gardo", 40)
     assert summary["gold_accuracy_after"] - summary["gold_accuracy_before"] >= 0.10, summary
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     gated = [r["gated_rows"] for r in rows if "gated_rows" in r]

@@ -87,8 +87,12 @@ def test_ray_two_workers_fsdp2_match_the_local_worker(tmp_path, extra):
     assert got.keys() == expected.keys() and expected
     moved = max(expected[k].abs().max().item() for k in expected if "lora_B" in k)
     assert moved > 1e-4  # the LoRA did train
+    # the two runs differ only in the gradient all-reduce's summation order (~1e-7 relative); Adam divides each gradient
+    # by its running RMS, so an element whose gradient is near 0 can move by a visible share of a step: allow 1 % of the
+    # largest LoRA movement (a wrong split of the batch or a missing average moves elements by 50–100 % of it)
+    atol = max(2e-6, 1e-2 * moved)
     for key in expected:
-        torch.testing.assert_close(got[key], expected[key], rtol=1e-4, atol=2e-6)
+        torch.testing.assert_close(got[key], expected[key], rtol=1e-4, atol=atol)
     a, b = _train_records(tmp_path / "local"), _train_records(tmp_path / "ray")
     assert len(a) == len(b) == 2
     for ra, rb in zip(a, b):
