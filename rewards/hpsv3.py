@@ -19,7 +19,7 @@ config, tokenizer, image processor and chat template (default ``Qwen/Qwen2-VL-7B
 random (e.g. tiny) model for tests; ``base`` then names a folder holding a processor.
 
 Checked against the ``hpsv3`` package (transformers 4.45.2) on the same tiny random weights, processor and images:
-equal μ and σ at the 448² budget, ≤ 1e-6 after resizing (``benchmarks/hpsv3_upstream.py``).
+equal μ and σ at the 448² budget, ≤ 1e-6 after resizing (``benchmarks/parity/hpsv3_upstream.py``).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ The shipped base is this script's defaults with ``--eval-every 500``: 4000 steps
 weights, EMA 0.999 of the weights evaluated and saved; 928 s on the 2-core work machine, about 65 s of it in the
 9 evaluations (``metadata.json`` holds the history). Evaluations do not change the weights
 (``tests/test_digits_compose.py``), so the defaults (4 evaluations) give the same base in about 15 minutes. ``--max-minutes`` stops on wall time instead (machine
-dependent); ``--device cuda`` and ``--snapshots`` serve sweeps (``benchmarks/compose_sweep.py``).
+dependent); ``--device cuda`` and ``--snapshots`` serve sweeps (``benchmarks/learning/compose_sweep.py``).
 
 Seeded end to end (``--seed``; ≤ 15 CPU minutes). Steps:
 
@@ -144,7 +144,7 @@ def train(metrics: dict, args, log) -> tuple[DigitsComposeAdapter, dict, dict | 
             model.eval(); te.eval()
             with ema_weights(params, ema):
                 scores, scored_at = evaluate_base(adapter, metrics), step
-                if args.snapshots:  # every evaluated step's weights, for sweeps (benchmarks/compose_sweep.py)
+                if args.snapshots:  # every evaluated step's weights, for sweeps (benchmarks/learning/compose_sweep.py)
                     adapter.save_pretrained(Path(args.out) / "snapshots" / f"step_{step:06d}")
             model.train(); te.train()
             history.append({"step": step, "loss": round(loss.item(), 5), **{k: round(v, 4) for k, v in scores.items()}, "seconds": round(time.time() - t0, 1)})

@@ -93,12 +93,12 @@ def test_fp8_with_an_uncorrected_loss_is_a_one_line_error(tmp_path, capsys):
 
 
 def test_the_scale_benchmark_measures_fp8_rollouts(tmp_path):
-    """``benchmarks/gpu_scale.py``'s ``*_fp8`` variants (the H200 run of issue 38): FP8 rollouts beside the model-precision
+    """``benchmarks/speed/gpu_scale.py``'s ``*_fp8`` variants (the H200 run of issue 38): FP8 rollouts beside the model-precision
     ones, with the FP8-vs-model |Δ log p| of every trained step in ``max_abs_dlogp`` (exactly 0 without FP8)."""
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "speed"))
     from gpu_scale import main as scale
 
     out = scale(["--shape", "tiny_sd3", "--variants", "eager,eager_fp8", "--device", "cpu", "--batch", "4", "--group", "2", "--micro-batch", "2",
@@ -116,7 +116,7 @@ def test_the_scale_benchmark_runs_a_real_reward_in_the_loop(tmp_path):
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "speed"))
     from gpu_scale import main as scale
 
     out = scale(["--shape", "tiny_sd3", "--variants", "eager", "--device", "cpu", "--batch", "4", "--group", "2", "--micro-batch", "2",

@@ -18,8 +18,8 @@ from diffrl.tools import plan as planner
 from diffrl.tools.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import plan_vs_measured  # noqa: E402  (benchmarks/plan_vs_measured.py: the comparison itself)
+sys.path.insert(0, str(ROOT / "benchmarks" / "parity"))
+import plan_vs_measured  # noqa: E402  (benchmarks/parity/plan_vs_measured.py: the comparison itself)
 
 
 class RealBytes(TorchDispatchMode):
@@ -115,7 +115,7 @@ def test_trace_flops_closed_forms():
 
 
 def test_plan_against_the_h200_measurements(tmp_path):
-    """One landed H200 run with a training measurement per model (``benchmarks/plan_vs_measured.py`` compares them
+    """One landed H200 run with a training measurement per model (``benchmarks/parity/plan_vs_measured.py`` compares them
     all): the plan of the same configuration within ±15 % of the measured peak, and its step time at the run's
     measured MFU within ±20 % of the measured one."""
     rows = list({row["shape"]: row for row in reversed(plan_vs_measured.measurements())}.values())  # each shape's first run

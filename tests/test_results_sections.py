@@ -31,7 +31,7 @@ RESULTS = REPO / "benchmarks" / "RESULTS.md"
 SCANNED = [
     "docs/*.md",
     "README.md",
-    "benchmarks/*.py",
+    "benchmarks/*/*.py",
     "diffrl/**/*.py",
     "pipelines/**/*.py",
     "rewards/**/*.py",

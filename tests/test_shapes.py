@@ -201,7 +201,7 @@ def test_blocks_compile_scope_trains_like_eager():
 
 
 def test_scale_benchmark_counts_the_recompute_and_keeps_parity(tmp_path):
-    """``benchmarks/gpu_scale.py`` end to end at a tiny shape (the GPU runs' code path): the rollout and the first
+    """``benchmarks/speed/gpu_scale.py`` end to end at a tiny shape (the GPU runs' code path): the rollout and the first
     update agree on every log-prob, and the executed FLOPs of a trajectory's CFG training step are, in units of
     the CFG rollout step (two forwards F), the conditional forward, a backward computing activation gradients
     only (between F and 2F) and the unconditional forward, plus the recompute of the checkpointed blocks (just
@@ -209,7 +209,7 @@ def test_scale_benchmark_counts_the_recompute_and_keeps_parity(tmp_path):
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "speed"))
     from gpu_scale import main as scale
 
     common = ["--shape", "tiny_sd3", "--variants", "eager", "--device", "cpu", "--batch", "4", "--group", "2", "--micro-batch", "2",
@@ -237,7 +237,7 @@ def test_scale_benchmark_reference_is_the_diffusers_pipeline(tmp_path, shape):
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "speed"))
     from gpu_scale import main as scale
 
     out = scale(["--shape", shape, "--variants", "reference,eager_fuse,reference_b,eager_fuse_b", "--device", "cpu", "--batch", "4",
@@ -260,7 +260,7 @@ def test_hook_free_flop_counter_equals_flop_counter_mode():
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "speed"))
     from gpu_scale import OpFlops
 
     torch.manual_seed(0)
@@ -287,7 +287,7 @@ def test_scale_benchmark_runs_the_editing_models_with_their_sources(tmp_path, sh
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "speed"))
     from gpu_scale import main as scale
     from gpu_scale import source_images
 

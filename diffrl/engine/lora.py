@@ -123,7 +123,7 @@ class FusedWeights:
     stay valid. The cost is memory: one copy of every LoRA-targeted weight.
 
     Output differs from the unfused path by the rounding of the fused weight (a bf16 model's rollout
-    log-probs then differ from the training pass's; ``benchmarks/gpu_scale.py --fuse-lora`` measures it).
+    log-probs then differ from the training pass's; ``benchmarks/speed/gpu_scale.py --fuse-lora`` measures it).
     """
 
     def __init__(self, module: nn.Module):

@@ -21,7 +21,7 @@ prompt) and are family-agnostic; a family adds real data and a feature space thr
   :func:`frechet_distance`, averaged over prompts (an FID for the miniature, conditioned on the prompt). With
   a handful of seeds per prompt the estimate is biased upwards (a rank-deficient covariance), the same bias
   before and after training but not across sample sizes: compare values at equal seeds per prompt, and
-  against the floor of as many real samples (``benchmarks/collapse.py``; digits, 8 seeds per prompt: real
+  against the floor of as many real samples (``benchmarks/learning/collapse.py``; digits, 8 seeds per prompt: real
   digits 32.7, the base generator shipped before 2026-12-05 94.7; with the trainer's 4 evaluation seeds the base gives 120.6).
   ``frechet_pooled``: one Fréchet distance between all samples and the mixture of their prompts' real sets
   (each prompt weighted by its number of samples), less biased, less sensitive to collapse within a prompt

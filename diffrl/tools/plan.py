@@ -61,7 +61,7 @@ GPUS = {  # name → (memory in GiB that torch reports as total, dense bf16 FLOP
     "rtx4090": (23.6, DEVICE_PEAK_FLOPS["RTX 4090"]),
 }
 # executed MFU (FLOPs run / seconds / matmul peak measured in the run) of rollout and training, measured on one
-# H200 by benchmarks/gpu_scale.py (benchmarks/results/<source>); model.compile picks the row
+# H200 by benchmarks/speed/gpu_scale.py (benchmarks/results/<source>); model.compile picks the row
 MEASURED_MFU = {
     ("qwen_image", False): (0.452, 0.436, "gpu_scale_qwen_image_verl_omni_h200.json eager"),
     ("qwen_image", True): (0.624, 0.651, "gpu_scale_qwen_image_verl_omni_h200.json compiled"),

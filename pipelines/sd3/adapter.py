@@ -138,7 +138,7 @@ class SD3Adapter(LatentFlowFamily):
         cfg_mode: how a guided ``predict`` runs its two branches (``model.options.cfg_mode``, see
             :meth:`ModelAdapter.predict`): ``split`` (default) or ``batched``. In training the batched forward back-propagates through all 2B rows
             although the unconditional half only gets zero gradients; split's backward covers B rows. On one
-            H200 at SD3.5-M scale (``benchmarks/gpu_speed.py``, compiled, LoRA r32): training step 4.10 s →
+            H200 at SD3.5-M scale (``benchmarks/speed/gpu_speed.py``, compiled, LoRA r32): training step 4.10 s →
             3.09 s and end-to-end Flow-GRPO 2.65 → 3.15 trajectories/s, rollout 8.75 → 8.54 images/s.
             Rollout and training use the same mode, so their log-probs stay in parity.
         shape: with no ``path``, ``tiny`` (the test configuration) or a published shape with random weights

@@ -2,7 +2,7 @@
 
 :func:`run_attacks` sends every case of :func:`attack_cases` over a raw socket to a loopback server started
 with :data:`ATTACK_LIMITS`, and after each one checks that a valid request is still answered with the same
-scores. ``tests/faults/test_reward_server_attacks.py`` asserts every outcome; ``benchmarks/reward_server_load.py``
+scores. ``tests/faults/test_reward_server_attacks.py`` asserts every outcome; ``benchmarks/faults/reward_server_load.py``
 records the table in ``benchmarks/results/reward_server_attacks.json``. Status ``0`` means the server closed
 the connection without an answer (what a client trickling its headers gets).
 """
