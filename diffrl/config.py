@@ -109,6 +109,9 @@ class LoraConfig:
     """LoRA dropout (0 keeps rollout and training log-probs identical)"""
     target_modules: Optional[list[str]] = None
     """module names (peft target_modules) the LoRA attaches to; null: the model family's default"""
+    experts: Optional[list[str]] = None
+    """the experts the LoRA attaches to, for two-expert families (wan22): [high], [low] or both; null: every expert (a family
+    without experts refuses any other value)"""
 
 
 @dataclass

@@ -24,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from diffrl.algorithms import ALGORITHMS, algorithm_class, check_config, group_class
 from diffrl.algorithms.policy_gradient import PolicyGradientConfig
 from diffrl.config import Check, ModelConfig, RewardConfig, SamplerConfig, TrainerConfig, eval_metric_names
+from diffrl.engine.lora import check_lora_experts
 from diffrl.hub import HubError, is_hub_ref, offline, resolve_weights
 from diffrl.selection import metric_key
 from diffrl.sampling.schedules import WINDOW_KINDS
@@ -341,7 +342,7 @@ def validate(cfg: Config | DictConfig, *, hub_cache: bool = True) -> Config:
              f"algorithm.betas={betas} is invalid: it must be two numbers in [0, 1)")
     try:
         check_config(a)
-        check_adapter_options(m.family, m.adapter_kwargs())
+        check_lora_experts(m.lora.experts, check_adapter_options(m.family, m.adapter_kwargs()), m.family)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     try:

@@ -1,6 +1,6 @@
 """One adapter test suite over every model family (tiny random configurations, fp32, CPU).
 
-Each check runs on every family (digits, sd15, digits_eps, sd3, flux, wan, qwen_image and the editing families
+Each check runs on every family (digits, sd15, digits_eps, sd3, flux, wan, wan22, qwen_image and the editing families
 qwen_image_edit, flux_kontext, with their built-in source images): rollout ↔ training log-prob parity, batch
 invariance, guidance (no unconditional branch at guidance 1; CFG equals a manual two-pass; split and batched
 CFG agree in outputs and LoRA gradients; FLUX and Kontext: guidance goes to the embedding), save →

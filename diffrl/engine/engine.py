@@ -156,7 +156,7 @@ class DiffusionEngine:
                 torch.manual_seed(self.seed)
                 lo = self.model.lora
                 lora.attach_lora(
-                    module, rank=lo.rank, alpha=lo.alpha, dropout=lo.dropout, target_modules=list(lo.target_modules or self.adapter.lora_target_modules),
+                    module, rank=lo.rank, alpha=lo.alpha, dropout=lo.dropout, target_modules=lora.lora_targets(self.adapter, lo.target_modules, lo.experts),
                 )
             for p in lora.adapter_parameters(module, "default").values():
                 p.requires_grad_(True)
@@ -359,7 +359,8 @@ class DiffusionEngine:
             micro = micro.to(self.adapter.device)
             share = micro.shape[0] / batch.shape[0]
             for loss, weight, metrics in self._pieces(loss_fn, micro, seed):
-                (loss * share * weight).backward()
+                if loss.requires_grad:  # else no trained parameter is reached (model.lora.experts: a step of an expert without LoRA)
+                    (loss * share * weight).backward()
                 loss_total += loss.item() * share * weight
                 for name, value in metrics.items():
                     sums[name] += value * share * weight

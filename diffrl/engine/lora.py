@@ -26,6 +26,34 @@ def attach_lora(module: nn.Module, *, rank: int, alpha: float, dropout: float, t
         raise RuntimeError(f"LoRA attached to no module of {type(module).__name__}; target_modules={target_modules}")
 
 
+def check_lora_experts(experts, adapter_class: type, family: str | None = None) -> None:
+    """``model.lora.experts`` against the family's experts (``adapter_class.experts``: the names a family of several
+    experts declares, e.g. wan22's ``("high", "low")``): ``None`` always passes; for a family without experts, an empty
+    list or an unknown name, a one-line ``ValueError`` names the key and the valid values."""
+    if experts is None:
+        return
+    name = repr(family) if family else adapter_class.__name__
+    valid = list(getattr(adapter_class, "experts", ()) or ())
+    if not valid:
+        raise ValueError(f"model.lora.experts={list(experts)} is invalid: model family {name} has one denoiser, no experts "
+                         "(two-expert families: wan22); set model.lora.experts=null")
+    unknown = [e for e in experts if e not in valid]
+    if unknown or not list(experts):
+        raise ValueError(f"model.lora.experts={list(experts)} is invalid: the experts of model family {name} are {valid}; "
+                         "give some of them, or null for all")
+
+
+def lora_targets(adapter, target_modules: list[str] | None = None, experts: list[str] | None = None) -> list[str]:
+    """The peft ``target_modules`` of a LoRA on ``adapter.denoiser``: ``target_modules`` (null: the family's
+    ``lora_target_modules``); with ``experts`` (``model.lora.experts``) only the named experts' modules, as the
+    family resolves them (``adapter.expert_lora_targets(targets, experts)``: full module names)."""
+    targets = list(target_modules or adapter.lora_target_modules)
+    if experts is None:
+        return targets
+    check_lora_experts(experts, type(adapter))
+    return list(adapter.expert_lora_targets(targets, list(experts)))
+
+
 def has_lora(module: nn.Module) -> bool:
     return getattr(module, "_hf_peft_config_loaded", False) or hasattr(module, "peft_config")
 

@@ -178,8 +178,7 @@ class WanAdapter(LatentFlowFamily):
     ):
         torch_dtype(dtype)
         self.cfg_mode = check_cfg_mode(cfg_mode)
-        parts = family_components("wan", path=path, shape=shape, seed=seed, device=device, dtype=dtype,
-                                  load=load_wan_components, tiny=build_tiny_wan_components, build=build_wan_components)
+        parts = self._components(path=path, shape=shape, seed=seed, device=device, dtype=dtype)
         self._setup(parts, dtype, device, decode_chunk, drop_text_encoders)
         self.num_frames = int(num_frames)
         if self.num_frames < 1 or (self.num_frames - 1) % self.vae_temporal_factor:
@@ -193,6 +192,12 @@ class WanAdapter(LatentFlowFamily):
         default_shift = sched.get("flow_shift", sched.get("shift", 3.0))
         self.shift = float(default_shift if flow_shift is None else flow_shift)
         self.patch_size = tuple(int(p) for p in self.denoiser.config.patch_size)
+
+    def _components(self, *, path, shape: str, seed: int, device: str, dtype: str) -> dict:
+        """The components to set up (:func:`family_components`): a local folder, the tiny configuration or a published
+        shape. A family built on Wan's (``wan22``, two experts) overrides this and keeps the rest."""
+        return family_components("wan", path=path, shape=shape, seed=seed, device=device, dtype=dtype,
+                                 load=load_wan_components, tiny=build_tiny_wan_components, build=build_wan_components)
 
     def _setup_vae_normalisation(self) -> None:
         """``AutoencoderKLWan``'s per-channel ``latents_mean``/``latents_std`` (5-D latents) and its spatial and
