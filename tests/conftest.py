@@ -49,7 +49,7 @@ NUMERICS_MODULES = {
     "test_sde", "test_sde_kinds", "test_sde_solvers", "test_losses", "test_losses_algorithms", "test_advantages", "test_awm",
     "test_parity", "test_paired_change", "test_windows", "test_algorithms", "test_reward_plugins", "test_digits_eps", "test_numerics",
     "test_cfg_and_rollout", "test_families", "test_family_qwen_image", "test_family_wan", "test_sd15", "test_flops", "test_workers",
-    "test_reward_server", "test_fused_lora",
+    "test_reward_server", "test_fused_lora", "test_family_wan22", "test_compose_edit_fidelity",
 }
 
 

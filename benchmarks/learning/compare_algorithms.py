@@ -83,6 +83,7 @@ def collect(result: dict, run_dir: Path) -> dict:
         {k: r.get(k) for k in ("step", "reward_mean", "loss", "kl", "wall_seconds")} for r in records if r["kind"] == "train"
     ]
     result["images_per_step"] = _images_per_step(cfg_lines)
+    result["gold"] = OmegaConf.create(cfg_lines).reward.get("gold") or "digits_gold"
     return result
 
 
@@ -98,13 +99,19 @@ def fidelity_rank(result: dict) -> float:
     return float("-inf") if gain is None else gain
 
 
+REALNESS_KEYS = ("eval/digits_real", "eval/digits_compose_real")
+"""the realness pass rate of each digits world (digits and edit: the sample; compose: every object of the canvas), the
+table's "real pass" column"""
+
+
 def fidelity_cells(summary: dict) -> list[str]:
     """Cells of the headline under fidelity: fidelity gold before → at its best evaluation that keeps ≥ 0.70 × the base's
     diversity (step), its gain in points, and the realness pass rate before → after ("–" without them; "none" when
     every trained evaluation collapsed)."""
     f = summary.get("fidelity")
     before, after = summary["eval_before"], summary["eval_after"]
-    real = f"{before['eval/digits_real']:.3f} → {after['eval/digits_real']:.3f}" if "eval/digits_real" in before and "eval/digits_real" in after else "–"
+    key = next((k for k in REALNESS_KEYS if k in before and k in after), None)
+    real = f"{before[key]:.3f} → {after[key]:.3f}" if key else "–"
     if not f:
         return ["–", "–", real]
     if f["best"] is None:
@@ -142,7 +149,7 @@ def collapse_cells(summary: dict) -> list[str]:
     """Table cells of what the reward misses: judge 2 before → after, the disagreement flag, diversity
     relative to base, near-duplicates after, Fréchet before → after ("–" where the run lacks them)."""
     before, after = summary["eval_before"], summary["eval_after"]
-    judges = {name: d for name, d in (summary.get("judges") or {}).items() if name != "digits_real"}  # realness: its own column
+    judges = {name: d for name, d in (summary.get("judges") or {}).items() if f"eval/{name}" not in REALNESS_KEYS}  # realness: its own column
     judge = "; ".join(f"{d['judge_before']:.3f} → {d['judge_after']:.3f}" for d in judges.values()) or "–"
     flag = "; ".join(f"{'**yes**' if d['disagree'] else 'no'} ({d['difference']:+.3f} ± {d['stderr']:.3f})" for d in judges.values()) or "–"
     ratio = lambda k: f"{after[k] / before[k]:.2f}×" if k in before and k in after and before[k] > 0 else "–"
@@ -170,7 +177,7 @@ def plot(results: list[dict], path: Path) -> None:
         if r["returncode"] != 0:
             continue
         steps = [e["step"] for e in r["evals"]]
-        gold = [e["eval/digits_gold"] for e in r["evals"]]
+        gold = [e[f"eval/{r.get('gold', 'digits_gold')}"] for e in r["evals"]]
         axes[0].plot([s * r["images_per_step"] for s in steps], gold, marker="o", label=r["name"])
         axes[1].plot([e["wall_seconds"] for e in r["evals"]], gold, marker="o", label=r["name"])
         if r["name"].startswith("flow_grpo") and "fast" not in r["name"]:
@@ -200,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="outputs/compare_algorithms", help="output folder (must not hold results.json)")
     parser.add_argument("--jobs", type=int, default=1, help="runs in parallel")
     parser.add_argument("--threads", type=int, default=2, help="torch threads per run")
-    parser.add_argument("--only", default="", help="comma-separated recipe names (default: all)")
+    parser.add_argument("--only", default="", help="comma-separated recipe names or --variant labels (default: every recipe and variant)")
     parser.add_argument("--set", action="append", default=[], help="NAME=override: extra override for one recipe (repeatable)")
     parser.add_argument("--variant", action="append", default=[], help="'LABEL:override override …': an extra run (overrides separated by spaces)")
     parser.add_argument("--all", action="append", default=[], help="override for every run (repeatable), e.g. model.device=cuda")
@@ -212,6 +219,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out.mkdir(parents=True, exist_ok=True)
     recipes = {k: list(v) for k, v in RECIPES.items()}
+    for item in args.variant:
+        label, overrides = item.split(":", 1)
+        recipes[label] = overrides.split()
     if args.only:
         unknown = set(args.only.split(",")) - set(recipes)
         if unknown:
@@ -221,9 +231,6 @@ def main(argv: list[str] | None = None) -> int:
     for item in args.set:
         name, override = item.split("=", 1)
         recipes[name].append(override)
-    for item in args.variant:
-        label, overrides = item.split(":", 1)
-        recipes[label] = overrides.split()
     for overrides in recipes.values():
         overrides.extend(args.all)
     reuse = dict(item.split("=", 1) for item in args.reuse)

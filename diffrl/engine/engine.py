@@ -359,7 +359,7 @@ class DiffusionEngine:
             micro = micro.to(self.adapter.device)
             share = micro.shape[0] / batch.shape[0]
             for loss, weight, metrics in self._pieces(loss_fn, micro, seed):
-                if loss.requires_grad:  # else no trained parameter is reached (model.lora.experts: a step of an expert without LoRA)
+                if loss.requires_grad or not self.model.lora.experts:  # LoRA on some experts: a step of another reaches no trained parameter
                     (loss * share * weight).backward()
                 loss_total += loss.item() * share * weight
                 for name, value in metrics.items():

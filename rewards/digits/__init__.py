@@ -7,7 +7,8 @@ judge's argmax digit and colour both match the prompt, else 0 — used for evalu
 classifiers (``judge2``: trained on the digits in neither of their training splits, colour by a rule, digit
 by an MLP on the 8×8 intensity); its hidden layer is the feature space of the distribution metrics.
 ``digits_real`` / ``digits_fidelity``: is the sample within reach of a real digit at all (no classifier), and the
-gold judge's accuracy counting only such samples (``realness``).
+gold judge's accuracy counting only such samples (``realness``); ``digits_compose_fidelity`` and ``digits_edit_fidelity``
+do the same for the compose and editing worlds (``compose_judge``, ``edit``).
 
 The package holds the digits world (``data``: palette, prompts, the sklearn digits), the classifiers
 (``classifiers``) and their safetensors I/O (``io``); the generator family ``pipelines.digits`` builds on it.
@@ -19,15 +20,16 @@ import torch
 
 from rewards.base import Reward, register_reward
 from rewards.digits.classifiers import DigitsClassifier
-from rewards.digits.compose_judge import DigitsComposeGold
+from rewards.digits.compose_judge import DigitsComposeExact, DigitsComposeFidelity, DigitsComposeGold, DigitsComposeReal
 from rewards.digits.data import ASSET_DIR, parse_prompt
-from rewards.digits.edit import DigitsEditGold, DigitsEditReward
+from rewards.digits.edit import DigitsEditFidelity, DigitsEditGold, DigitsEditReward, DigitsEditStrictPreservation
 from rewards.digits.judge2 import DigitsGold2
 from rewards.digits.realness import DigitsReal, realness_check
 from rewards.digits.stroke import DigitsStroke
 
 __all__ = [
-    "DigitsComposeGold", "DigitsEditGold", "DigitsEditReward", "DigitsFidelity", "DigitsGold", "DigitsGold2", "DigitsReal", "DigitsReward",
+    "DigitsComposeExact", "DigitsComposeFidelity", "DigitsComposeGold", "DigitsComposeReal", "DigitsEditFidelity", "DigitsEditGold",
+    "DigitsEditStrictPreservation", "DigitsEditReward", "DigitsFidelity", "DigitsGold", "DigitsGold2", "DigitsReal", "DigitsReward",
     "DigitsStroke", "judge_correct",
 ]
 

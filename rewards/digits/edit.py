@@ -18,6 +18,21 @@ other seed, split, input and architecture; the colour is read by a rule): *succe
 on the edit, *preservation* when it reads on the edit the kept attribute it reads on the source, *joint*
 when both hold.
 
+``digits_edit_fidelity`` (evaluation only; issue 39): success, preservation **read strictly**, and a real-looking
+edit. The class-level preservation above forgives an edit that redraws a recoloured digit as another person's seven, or
+blends a second colour into a redraw; a person would not. Strictly (:class:`StrictPreservation`, no learned parts):
+
+- a **recolour** keeps *the drawing*: the edit's ink is closer to the source's than all but
+  :data:`KEEP_QUANTILE` of pairs of *different* real drawings of the same digit are to each other — the RMS distance
+  of the 8×8 ink (:func:`rewards.digits.judge2.intensity_8x8`, each scaled to a peak of 1, so a dimmer or brighter
+  copy is the same drawing) aligned over one-pixel shifts, against τ_keep, that distance's 5th percentile over seeded
+  pairs of calibration digits of one class (:func:`rewards.digits.realness.realness_split`);
+- a **redraw** keeps *the colour*: at least :data:`COLOUR_KEPT_SHARE` of the edit's ink (pixels weighted by their
+  brightest channel) is nearest in hue to the source's palette colour;
+
+and the edit passes the digits realness check (:mod:`rewards.digits.realness`). Beside it: ``digits_edit_strict_preservation``
+and ``digits_edit_real``.
+
 :func:`edit_prompt_records` gives the family's built-in (instruction, source) pairs: sources from the digits
 held out of the editing model's pretraining (:data:`PRETRAIN_SPLIT_SEED`).
 """
@@ -25,6 +40,7 @@ held out of the editing model's pretraining (:data:`PRETRAIN_SPLIT_SEED`).
 from __future__ import annotations
 
 import dataclasses
+from functools import lru_cache
 
 import torch
 from torch import nn
@@ -33,7 +49,8 @@ from rewards.base import Reward, register_reward
 from rewards.digits.classifiers import DigitsClassifier
 from rewards.digits.data import ASSET_DIR, COLOUR_NAMES, DIGIT_WORDS, load_digit_intensities, split_indices
 from rewards.digits.io import JsonSafetensorsMixin
-from rewards.digits.judge2 import PALETTE, read_colour, render
+from rewards.digits.judge2 import PALETTE, ink_intensity, read_colour, render
+from rewards.digits.realness import SPLIT_SEED, realness_check, realness_split
 
 EDIT_ASSET_DIR = ASSET_DIR.parent / "digits_edit"
 EDIT_KINDS = ("recolour", "redraw")
@@ -44,6 +61,12 @@ MAX_WORDS = 6
 PRETRAIN_SPLIT_SEED = 33
 """``split_indices(1797, 33)``: the editing model pretrains on the first part; the built-in edit sources
 come from the held-out part"""
+KEEP_QUANTILE = 0.05
+"""strict preservation of a recolour: the share of pairs of different real drawings of one digit that count as the same drawing"""
+COLOUR_KEPT_SHARE = 0.9
+"""strict preservation of a redraw: the least share of the edit's ink in the source's hue"""
+SHIFTS = [(dy, dx) for dy in (-1, 0, 1) for dx in (-1, 0, 1)]
+"""one-pixel alignments (16×16) over which a recolour's drawing is compared"""
 SOURCES_PER_DIGIT = 2
 REDRAWS_PER_SOURCE = 2
 PROMPTS_SEED = 7
@@ -268,3 +291,118 @@ class DigitsEditGoldJoint(DigitsEditGold):
     """Gold success and preservation together."""
 
     metric = "joint"
+
+
+# -- fidelity: preservation read strictly ------------------------------------------------------------------------
+def _ink_8x8(images: torch.Tensor, colour: torch.Tensor) -> torch.Tensor:
+    """float ``[B, 3, 16, 16]`` → ``[B, 64]``: the 8×8 ink intensity along palette colour ``colour [B]``."""
+    return torch.nn.functional.avg_pool2d(ink_intensity(images, colour), 2).flatten(1)
+
+
+def hue_share(images: torch.Tensor, colour: torch.Tensor) -> torch.Tensor:
+    """``[B]``: the share of each image's ink (pixels weighted by their brightest channel) whose nearest palette colour by
+    cosine similarity is ``colour [B]``."""
+    weight = images.amax(1)
+    palette = torch.nn.functional.normalize(PALETTE.to(images), dim=1)
+    nearest = torch.einsum("bchw,kc->bkhw", torch.nn.functional.normalize(images, dim=1), palette).argmax(1)
+    kept = (nearest == colour.view(-1, 1, 1)).float()
+    return (kept * weight).sum((1, 2)) / weight.sum((1, 2)).clamp_min(1e-8)
+
+
+def _peak_normalised(x: torch.Tensor) -> torch.Tensor:
+    return x / x.amax(-1, keepdim=True).clamp_min(1e-6)
+
+
+def drawing_distance(edits: torch.Tensor, sources: torch.Tensor) -> torch.Tensor:
+    """``[B]``: the RMS distance between each float edit's and its source's 8×8 ink (each on the colour it reads, scaled to
+    a peak of 1), the smallest over the edit shifted by :data:`SHIFTS` (16×16 pixels)."""
+    edit_ink = ink_intensity(edits, read_colour(edits))
+    shifted = torch.stack([torch.nn.functional.avg_pool2d(torch.roll(edit_ink, s, dims=(2, 3)), 2).flatten(1) for s in SHIFTS], 1)
+    source = _peak_normalised(_ink_8x8(sources, read_colour(sources)))
+    return (_peak_normalised(shifted) - source[:, None]).pow(2).mean(-1).sqrt().min(1).values
+
+
+class StrictPreservation:
+    """Preservation as a person reads it (see the module docstring): the drawing distance for recolours, the hue share for
+    redraws.
+
+    Attributes:
+        keep_threshold: τ_keep, the drawing distance under which a recolour kept the drawing.
+        other_pass: the share of pairs of different test drawings of one digit within τ_keep (≈ :data:`KEEP_QUANTILE`).
+    """
+
+    def __init__(self, seed: int = SPLIT_SEED, quantile: float = KEEP_QUANTILE):
+        intensity, labels = load_digit_intensities()
+        _, cal, test = realness_split(seed=seed)
+        g = torch.Generator().manual_seed(seed + 30)
+        colour = torch.randint(len(COLOUR_NAMES), (len(labels),), generator=g)
+        images = render(intensity, colour).float() / 255.0
+
+        def other_pairs(split: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            firsts, seconds = [], []
+            for digit in range(10):
+                members = split[labels[split] == digit]
+                partner = members[torch.randperm(len(members), generator=g)]
+                keep = partner != members
+                firsts.append(members[keep]), seconds.append(partner[keep])
+            return torch.cat(firsts), torch.cat(seconds)
+
+        a, b = other_pairs(cal)
+        self.keep_threshold = float(torch.quantile(drawing_distance(images[a], images[b]).double(), quantile, interpolation="lower"))
+        a, b = other_pairs(test)
+        self.other_pass = float((drawing_distance(images[a], images[b]) <= self.keep_threshold).float().mean())
+
+    def drawing_kept(self, edits: torch.Tensor, sources: torch.Tensor) -> torch.Tensor:
+        """``[B]`` bool: each float edit ``[B, 3, 16, 16]`` is within τ_keep of its source's drawing."""
+        return drawing_distance(edits, sources) <= self.keep_threshold
+
+    def colour_kept(self, edits: torch.Tensor, source_colour: torch.Tensor) -> torch.Tensor:
+        """``[B]`` bool: at least :data:`COLOUR_KEPT_SHARE` of each float edit's ink is in the hue of ``source_colour``."""
+        return hue_share(edits, source_colour) >= COLOUR_KEPT_SHARE
+
+
+@lru_cache(maxsize=2)
+def strict_preservation(seed: int = SPLIT_SEED) -> StrictPreservation:
+    """The shared :class:`StrictPreservation` (built once per process)."""
+    return StrictPreservation(seed)
+
+
+@register_reward("digits_edit_strict_preservation")
+class DigitsEditStrictPreservation(Reward):
+    """1.0 when the edit keeps what its instruction said to keep, read strictly (:class:`StrictPreservation`: the same
+    drawing for a recolour, the same hue for a redraw), else 0.0; evaluation only (a judge beside the fidelity gold)."""
+
+    unit = "share in {0, 1}"
+    scale = (0.0, 1.0)
+    needs_source = True
+
+    def __init__(self, device: str = "cpu"):
+        self.strict = strict_preservation()
+
+    def __call__(self, images: torch.Tensor, prompts: list[str], metadata=None, *, source_images: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        _check(self.name, images, prompts, source_images)
+        recolour, _ = _targets(prompts)
+        x, src = images.cpu().float() / 255.0, source_images.cpu().float() / 255.0
+        kept = torch.where(recolour, self.strict.drawing_kept(x, src), self.strict.colour_kept(x, read_colour(src)))
+        return {self.name: kept.float()}
+
+
+@register_reward("digits_edit_fidelity")
+class DigitsEditFidelity(DigitsEditGold):
+    """Fidelity gold of an edit: the judge reads the target (success), the instruction's kept attribute is kept strictly
+    (``digits_edit_strict_preservation``) and the edit passes the digits realness check (``digits_real``); 1.0 or 0.0,
+    evaluation only. Also outputs those two parts, beside the gold judge's own three scores."""
+
+    metric = "success"
+
+    def __init__(self, path: str | None = None, device: str = "cpu"):
+        super().__init__(path, device)
+        self.strict = DigitsEditStrictPreservation(device)
+        self.real = realness_check()
+
+    def __call__(self, images: torch.Tensor, prompts: list[str], metadata=None, *, source_images: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        scores = super().__call__(images, prompts, source_images=source_images)
+        success = scores.pop(self.name).bool()
+        kept = self.strict(images, prompts, source_images=source_images)[self.strict.name].bool()
+        real = self.real.passes(images.cpu())
+        return {self.name: (success & kept & real).float(), "digits_edit_strict_preservation": kept.float(), "digits_real": real.float(), **scores}
