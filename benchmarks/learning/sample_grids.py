@@ -61,7 +61,7 @@ def run_rows(label: str, path: Path, prompts: int, metrics: list[str] | None = N
 
 
 def figure(rows: list[tuple[str, torch.Tensor]], out: Path, scale: int = 4) -> Path:
-    height = sum(1 for _ in rows)
+    height = len(rows)
     fig, axes = plt.subplots(height, 1, figsize=(14, 1.0 * height), squeeze=False)
     for ax, (caption, images) in zip(axes[:, 0], rows):
         ax.imshow(image_grid(images, columns=len(images), scale=scale))

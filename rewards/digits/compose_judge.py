@@ -210,11 +210,11 @@ class ObjectRealness:
         self.calibration_pass = float((cal_d <= self.threshold).float().mean())
         self.test_pass = float(self.passes(rendered_real_canvases(test, seed + 20, x12)).float().mean())
 
-    def canvas_distance(self, image: torch.Tensor) -> torch.Tensor:
+    def canvas_distance(self, image: torch.Tensor, objects: list[dict] | None = None) -> torch.Tensor:
         """The largest distance to the nearest reference digit over the objects of one canvas (uint8 or float
-        ``[3, H, W]``); 0 for a canvas without objects."""
+        ``[3, H, W]``; ``objects``: its :func:`detect_components`, if already at hand); 0 for a canvas without objects."""
         x = image.float() / 255.0 if image.dtype == torch.uint8 else image.float()
-        objects = detect_components(x)
+        objects = detect_components(x) if objects is None else objects
         if not objects:
             return torch.tensor(0.0)
         return nearest_distance(object_features(x, objects), self.reference).max()
@@ -258,16 +258,17 @@ class DigitsComposeFidelity(DigitsComposeGold):
 
     def __call__(self, images: torch.Tensor, prompts: list[str], metadata=None) -> dict[str, torch.Tensor]:
         right = super().__call__(images, prompts)[self.name].bool()
-        real = self.check.passes(images.cpu())
-        exact = exact_counts(images.cpu(), prompts)
+        x = images.cpu().float() / 255.0
+        objects = [detect_components(canvas) for canvas in x]  # once per canvas, for both checks
+        real = torch.stack([self.check.canvas_distance(c, o) for c, o in zip(x, objects)]) <= self.check.threshold
+        exact = exact_counts(prompts, [len(o) for o in objects])
         return {self.name: (right & exact & real).float(), "digits_compose_real": real.float(), "digits_compose_exact": exact.float()}
 
 
-def exact_counts(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
-    """``[B]`` bool: the number of objects :func:`detect_components` finds on each uint8 canvas equals the number its
-    prompt names (the sum of its clauses' counts)."""
-    x = images.float() / 255.0
-    return torch.tensor([len(detect_components(x[i])) == sum(c["count"] for c in parse(p)["include"]) for i, p in enumerate(prompts)])
+def exact_counts(prompts: list[str], object_counts: list[int]) -> torch.Tensor:
+    """``[B]`` bool: the number of objects found on each canvas (:func:`detect_components`) equals the number its prompt
+    names (the sum of its clauses' counts)."""
+    return torch.tensor([n == sum(c["count"] for c in parse(p)["include"]) for p, n in zip(prompts, object_counts)])
 
 
 @register_reward("digits_compose_exact")
@@ -282,4 +283,5 @@ class DigitsComposeExact(Reward):
         pass
 
     def __call__(self, images: torch.Tensor, prompts: list[str], metadata=None) -> dict[str, torch.Tensor]:
-        return {self.name: exact_counts(images.cpu(), list(prompts)).float()}
+        x = images.cpu().float() / 255.0
+        return {self.name: exact_counts(list(prompts), [len(detect_components(canvas)) for canvas in x]).float()}

@@ -49,7 +49,7 @@ from rewards.base import Reward, register_reward
 from rewards.digits.classifiers import DigitsClassifier
 from rewards.digits.data import ASSET_DIR, COLOUR_NAMES, DIGIT_WORDS, load_digit_intensities, split_indices
 from rewards.digits.io import JsonSafetensorsMixin
-from rewards.digits.judge2 import PALETTE, ink_intensity, read_colour, render
+from rewards.digits.judge2 import PALETTE, ink_intensity, intensity_8x8, read_colour, render
 from rewards.digits.realness import SPLIT_SEED, realness_check, realness_split
 
 EDIT_ASSET_DIR = ASSET_DIR.parent / "digits_edit"
@@ -294,11 +294,6 @@ class DigitsEditGoldJoint(DigitsEditGold):
 
 
 # -- fidelity: preservation read strictly ------------------------------------------------------------------------
-def _ink_8x8(images: torch.Tensor, colour: torch.Tensor) -> torch.Tensor:
-    """float ``[B, 3, 16, 16]`` → ``[B, 64]``: the 8×8 ink intensity along palette colour ``colour [B]``."""
-    return torch.nn.functional.avg_pool2d(ink_intensity(images, colour), 2).flatten(1)
-
-
 def hue_share(images: torch.Tensor, colour: torch.Tensor) -> torch.Tensor:
     """``[B]``: the share of each image's ink (pixels weighted by their brightest channel) whose nearest palette colour by
     cosine similarity is ``colour [B]``."""
@@ -318,7 +313,7 @@ def drawing_distance(edits: torch.Tensor, sources: torch.Tensor) -> torch.Tensor
     a peak of 1), the smallest over the edit shifted by :data:`SHIFTS` (16×16 pixels)."""
     edit_ink = ink_intensity(edits, read_colour(edits))
     shifted = torch.stack([torch.nn.functional.avg_pool2d(torch.roll(edit_ink, s, dims=(2, 3)), 2).flatten(1) for s in SHIFTS], 1)
-    source = _peak_normalised(_ink_8x8(sources, read_colour(sources)))
+    source = _peak_normalised(intensity_8x8(sources, read_colour(sources)))
     return (_peak_normalised(shifted) - source[:, None]).pow(2).mean(-1).sqrt().min(1).values
 
 
