@@ -80,6 +80,9 @@ def main(argv=None):
         if device.type == "cuda":
             compiled = torch.compile(lambda x: fp8_linear(x, q, scale, b, kernel))
             r["fp8_compiled_ms"] = bench(lambda: compiled(x), device)
+            # the same with the bias added after the kernel (diffrl before 2026-12-05's second lease): one more pass
+            compiled_after = torch.compile(lambda x: (fp8_linear(x, q, scale, None, kernel).float() + b.float()).to(x.dtype))
+            r["fp8_compiled_bias_after_ms"] = bench(lambda: compiled_after(x), device)
             x_q, x_s = quantize(x, rowwise_scale(x)), rowwise_scale(x)
             w_t, s_t = q.t(), scale.t().contiguous()
             r["fp8_gemm_only_ms"] = bench(lambda: torch._scaled_mm(x_q, w_t, scale_a=x_s, scale_b=s_t, out_dtype=torch.bfloat16), device)

@@ -50,13 +50,16 @@ def fp8_linear(x: torch.Tensor, weight_q: torch.Tensor, weight_scale: torch.Tens
     x_scale = rowwise_scale(rows)
     x_q = quantize(rows, x_scale)
     if kernel == "scaled_mm":
-        # CUDA's rowwise-scaled kernel writes bfloat16 only (accumulating in float32); torch's CPU kernel writes float32
+        # CUDA's rowwise-scaled kernel writes bfloat16 only (accumulating in float32); torch's CPU kernel writes float32.
+        # The bias goes into the kernel's epilogue (added to the float32 accumulator before the one rounding): adding it
+        # afterwards is another pass over the output, which at a rollout's token counts costs most of what FP8 saves
         out_dtype = torch.bfloat16 if x_q.is_cuda else torch.float32
-        out = torch._scaled_mm(x_q, weight_q.t(), scale_a=x_scale, scale_b=weight_scale.t().contiguous(), out_dtype=out_dtype)
+        out = torch._scaled_mm(x_q, weight_q.t(), scale_a=x_scale, scale_b=weight_scale.t().contiguous(),
+                               bias=None if bias is None else bias.to(out_dtype), out_dtype=out_dtype)
     else:
         out = (x_q.float() * x_scale) @ (weight_q.float() * weight_scale).t()
-    if bias is not None:
-        out = out.float() + bias.float()
+        if bias is not None:
+            out = out + bias.float()
     return out.to(x.dtype).reshape(*x.shape[:-1], weight_q.shape[0])
 
 
