@@ -3,7 +3,7 @@
 A checkpoint is a folder ``<root>/step_<N>/`` holding
 
 * ``model.safetensors`` – the trainable weights (the LoRA "default" adapter, or all weights), plus
-  every other LoRA adapter (DiffusionNFT's "old", ``trainer.ema``'s "ema") so copy/EMA state survives;
+  every other LoRA adapter (DiffusionNFT's "old", ``eval.ema``'s "ema") so copy/EMA state survives;
 * ``optimizer.safetensors`` + ``optimizer.json`` – AdamW state tensors, param groups and the LR
   scheduler's state;
 * ``old_policy.safetensors`` – the old policy of full fine-tuning (a LoRA "old" adapter is in model);
@@ -233,7 +233,7 @@ def load_engine(engine, path: str | Path, *, hashes: bool = True) -> dict:
         raise CheckpointError(f"checkpoint {path} cannot be read ({exc}); nothing was loaded") from None
     engine.initialize()
     for name in sorted(lora_adapters(weights) - {"default"}):
-        lora.ensure_adapter(engine.module, name)  # DiffusionNFT's "old", trainer.ema's "ema": created, then overwritten below
+        lora.ensure_adapter(engine.module, name)  # DiffusionNFT's "old", eval.ema's "ema": created, then overwritten below
     params = dict(engine.module.named_parameters())
     missing = [n for n in weights if n not in params]
     if missing:

@@ -4,14 +4,15 @@ consumes at run time (no copies into other settings objects; every default is st
 ``ModelConfig`` → the model adapter and the engine (LoRA, FSDP2, compile); ``SamplerConfig`` → rollouts,
 evaluation and training windows; ``OptimConfig`` → the engine's optimizer; ``AlgorithmConfig`` → the fields
 every algorithm shares (each algorithm class in ``diffrl.algorithms`` extends it with its own ``Config``);
-``RewardConfig``, ``TrainerConfig`` → the trainer. ``diffrl.recipes`` composes them into the root config.
+``RewardConfig``, ``TrainerConfig`` → the trainer; ``EvalConfig`` → evaluations, the EMA and checkpoint selection;
+``DistributedConfig`` → where the workers run. ``diffrl.recipes`` composes them into the root config.
 Sizes are global: ``trainer.prompts_per_step`` prompts × ``trainer.group_size`` samples per step.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Optional
 
 from omegaconf import DictConfig, OmegaConf
@@ -133,7 +134,7 @@ class ModelConfig:
     """family-specific keyword arguments of the adapter (e.g. +model.options.decode_chunk=4, sample_size for FLUX, drop_text_encoders)"""
     lora: LoraConfig = field(default_factory=LoraConfig)
     fsdp: bool = True
-    """shard the denoiser with FSDP2 when trainer.num_workers > 1"""
+    """shard the denoiser with FSDP2 when distributed.num_workers > 1"""
     param_offload: bool = False
     """FSDP2: keep sharded parameters and optimizer state on the CPU"""
     activation_checkpointing: bool = False
@@ -160,7 +161,7 @@ class ModelConfig:
     """with rollout_precision=fp8: scaled_mm (torch._scaled_mm, FP8 tensor cores) | emulate (quantise, dequantise, float32
     matmul: the same numbers anywhere) | auto (scaled_mm on CUDA compute capability ≥ 8.9, else emulate)"""
     fuse_lora_rollout: bool = False
-    """fold the active LoRA into the base weights during rollouts (one matmul per layer instead of three; exact restore after; costs one copy of the LoRA-targeted weights; rollout log-probs then differ from training's by the fused weights' rounding; with trainer.num_workers > 1 only on rollout replicas)"""
+    """fold the active LoRA into the base weights during rollouts (one matmul per layer instead of three; exact restore after; costs one copy of the LoRA-targeted weights; rollout log-probs then differ from training's by the fused weights' rounding; with distributed.num_workers > 1 only on rollout replicas)"""
 
     def adapter_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of the family's adapter: ``options`` plus path, dtype and device."""
@@ -317,18 +318,14 @@ class RewardConfig:
 
 @dataclass
 class TrainerConfig:
+    """The loop (``diffrl.trainer``): how many steps of what size, the prompts and seed that fix every step, the run
+    folder, checkpoints, resume and logging. Evaluation is ``eval.*`` (:class:`EvalConfig`), where the workers run
+    ``distributed.*`` (:class:`DistributedConfig`)."""
+
     CHECKS: ClassVar[dict[str, Check]] = {
         "steps": at_least(1), "prompts_per_step": at_least(1), "group_size": at_least(1), "seed": at_least(0),
-        "eval_every": at_least(0, note="0: only before and after training"), "eval_seeds_per_prompt": at_least(1), "eval_seed": at_least(0), "eval_num_prompts": at_least(1),
-        "checkpoint_every": at_least(0, note="0: only at the end"), "max_grid_images": at_least(1), "threads": at_least(1),
-        "peak_flops": positive(), "backend": one_of("local", "ray"), "num_workers": at_least(1),
-        "num_gpus_per_worker": at_least(0, integer=False), "num_cpus_per_worker": at_least(0, integer=False),
-        "ray_rendezvous_timeout_s": positive(), "ray_call_timeout_s": positive(), "resume": one_of("never", "auto"), "max_restarts": at_least(0),
-        "wandb": one_of("offline", "online", "disabled"),
-        "rollout_replicas": at_least(0, note="0: rollout on the actor ranks"), "max_staleness": at_least(0, note="0: synchronous"),
-        "weight_sync_bucket_mb": positive(), "weight_sync_backend": one_of("gloo", "nccl"),
-        "num_gpus_per_rollout": at_least(0, integer=False), "num_cpus_per_rollout": at_least(0, integer=False),
-        "ema_decay": between(0, 1, hi_open=True), "ema_every": at_least(1), "stop_when_diverging": at_least(0, note="0: off"),
+        "checkpoint_every": at_least(0, note="0: only at the end"), "threads": at_least(1), "peak_flops": positive(),
+        "resume": one_of("never", "auto"), "max_restarts": at_least(0), "wandb": one_of("offline", "online", "disabled"),
     }
     steps: int = 100
     """RL steps"""
@@ -341,33 +338,6 @@ class TrainerConfig:
     prompts: Optional[str] = None
     """training prompts: a built-in prompt set (geneval | ocr | general: its train split, with each prompt's metadata for
     the rewards; docs/prompts.md), a prompt file (one per line) or editing records; null: the model family's built-in prompts"""
-    eval_prompts: Optional[str] = None
-    """evaluation prompts: a built-in set (its test split) or a file; null: the test split of trainer.prompts when it
-    names a built-in set, else trainer.prompts (or the family's built-in prompts)"""
-    eval_num_prompts: Optional[int] = None
-    """evaluate the first N evaluation prompts (null: all of them; GenEval's test split has 553)"""
-    eval_every: int = 50
-    """evaluate every N steps (and before the first and after the last step); 0: only before and after"""
-    eval_seeds_per_prompt: int = 4
-    """evaluation samples per prompt (fixed held-out seeds)"""
-    eval_seed: int = 1234
-    """base seed of evaluation samples (disjoint from training seeds)"""
-    ema: bool = False
-    """evaluate an EMA of the trained LoRA (flow_grpo's train.ema): a LoRA adapter "ema", a copy of the initial adapter,
-    moved towards the trained one every ema_every RL steps by ema ← d·ema + (1 − d)·trained with d = min((1 + s)/(10 + s),
-    ema_decay) after s steps; evaluations, and by default diffrl sample/eval/export-lora of its checkpoints, use it; rollouts
-    keep sampling the trained weights"""
-    ema_decay: float = 0.9
-    """the EMA's decay once warmed up (flow_grpo: 0.9)"""
-    ema_every: int = 8
-    """RL steps between EMA updates (flow_grpo: 8 optimizer steps)"""
-    select_by: Optional[str] = None
-    """keep the best checkpoint by this evaluation metric, a held-out judge the run does not train on (reward.gold or one of
-    reward.judges, or any eval/ key; a leading - selects the lowest): each evaluation that beats every earlier one writes a
-    checkpoint and best.json names it (diffrl.selection); null: off"""
-    stop_when_diverging: int = 0
-    """k ≥ 1: stop when over the last k evaluations the evaluation reward rose every time while trainer.select_by's metric fell
-    every time (the reward-hacking signature), naming the step and the best checkpoint; 0: off"""
     plan_check: bool = True
     """on a GPU run, plan the recipe first (diffrl plan, on the CPU, before anything is allocated) and warn when its peak
     exceeds the device's memory; false: skip the check"""
@@ -377,12 +347,81 @@ class TrainerConfig:
     """run folder; null: outputs/<experiment>-<timestamp>"""
     progress: bool = True
     """show a progress bar"""
-    max_grid_images: int = 60
-    """images in each evaluation grid"""
     threads: Optional[int] = None
     """torch CPU threads (null: torch's default)"""
     peak_flops: Optional[float] = None
     """FLOP/s per device for MFU (null: the device table of diffrl.engine.flops; no MFU on CPU)"""
+    max_restarts: int = 0
+    """a lost worker (Ray): restart the workers from the newest checkpoint up to this many times; 0: stop with a clear error"""
+    resume: str = "never"
+    """never | auto: continue from the newest complete checkpoint in output_dir (partial ones are ignored)"""
+    wandb: str = "offline"
+    """wandb logging: offline (run files in <output_dir>/wandb, nothing leaves the machine) | online | disabled"""
+    wandb_project: str = "diffrl"
+    """wandb project"""
+    wandb_entity: Optional[str] = None
+    """wandb entity (team or user; null: the account's default)"""
+    wandb_run_name: Optional[str] = None
+    """wandb run name (null: the run folder's name)"""
+
+
+@dataclass
+class EvalConfig:
+    """Evaluations (``diffrl.sampling.evaluator``): before the first step, every ``eval.every`` steps and after the last,
+    deterministic samples of held-out (prompt, seed) pairs scored by every reward and judge; the weights they evaluate
+    (the trained LoRA or its EMA, ``eval.ema``), and what the run keeps or stops on by them (``eval.select_by``,
+    ``eval.stop_when_diverging``). ``diffrl eval`` / ``sample`` read the same keys from a run's config."""
+
+    CHECKS: ClassVar[dict[str, Check]] = {
+        "num_prompts": at_least(1), "every": at_least(0, note="0: only before and after training"), "seeds_per_prompt": at_least(1),
+        "seed": at_least(0), "max_grid_images": at_least(1), "ema_decay": between(0, 1, hi_open=True), "ema_every": at_least(1),
+        "stop_when_diverging": at_least(0, note="0: off"),
+    }
+    prompts: Optional[str] = None
+    """evaluation prompts: a built-in set (its test split) or a file; null: the test split of trainer.prompts when it
+    names a built-in set, else trainer.prompts (or the family's built-in prompts)"""
+    num_prompts: Optional[int] = None
+    """evaluate the first N evaluation prompts (null: all of them; GenEval's test split has 553)"""
+    every: int = 50
+    """evaluate every N steps (and before the first and after the last step); 0: only before and after"""
+    seeds_per_prompt: int = 4
+    """evaluation samples per prompt (fixed held-out seeds)"""
+    seed: int = 1234
+    """base seed of evaluation samples (disjoint from training seeds)"""
+    max_grid_images: int = 60
+    """images in each evaluation grid (and rows of the wandb sample table)"""
+    ema: bool = False
+    """evaluate an EMA of the trained LoRA (flow_grpo's train.ema): a LoRA adapter "ema", a copy of the initial adapter,
+    moved towards the trained one every ema_every RL steps by ema ← d·ema + (1 − d)·trained with d = min((1 + s)/(10 + s),
+    ema_decay) after s steps; evaluations, and by default diffrl sample/eval/export-lora of its checkpoints, use it; rollouts
+    keep sampling the trained weights (so it is a matter of what is evaluated and exported, not of training)"""
+    ema_decay: float = 0.9
+    """the EMA's decay once warmed up (flow_grpo: 0.9)"""
+    ema_every: int = 8
+    """RL steps between EMA updates (flow_grpo: 8 optimizer steps)"""
+    select_by: Optional[str] = None
+    """keep the best checkpoint by this evaluation metric, a held-out judge the run does not train on (reward.gold or one of
+    reward.judges, or any eval/ key; a leading - selects the lowest): each evaluation that beats every earlier one writes a
+    checkpoint and best.json names it (diffrl.selection); null: off"""
+    stop_when_diverging: int = 0
+    """k ≥ 1: stop when over the last k evaluations the evaluation reward rose every time while eval.select_by's metric fell
+    every time (the reward-hacking signature), naming the step and the best checkpoint; 0: off"""
+
+
+@dataclass
+class DistributedConfig:
+    """Where the workers run (``diffrl.distributed``): in this process or as Ray actors with torch.distributed + FSDP2,
+    how many data-parallel ranks and their resources, and rollout replicas beside them (their weight sync and how far
+    their rollouts may run ahead). Sizes of ``trainer.*`` are global and split evenly over ``distributed.num_workers``."""
+
+    CHECKS: ClassVar[dict[str, Check]] = {
+        "backend": one_of("local", "ray"), "num_workers": at_least(1),
+        "num_gpus_per_worker": at_least(0, integer=False), "num_cpus_per_worker": at_least(0, integer=False),
+        "ray_rendezvous_timeout_s": positive(), "ray_call_timeout_s": positive(),
+        "rollout_replicas": at_least(0, note="0: rollout on the actor ranks"), "max_staleness": at_least(0, note="0: synchronous"),
+        "weight_sync_bucket_mb": positive(), "weight_sync_backend": one_of("gloo", "nccl"),
+        "num_gpus_per_rollout": at_least(0, integer=False), "num_cpus_per_rollout": at_least(0, integer=False),
+    }
     backend: str = "local"
     """local (one worker in this process) | ray (one Ray actor per worker, torch.distributed + FSDP2)"""
     num_workers: int = 1
@@ -397,18 +436,6 @@ class TrainerConfig:
     """Ray: seconds for the ranks' placement and process-group rendezvous before a clear error"""
     ray_call_timeout_s: Optional[float] = None
     """Ray: seconds a worker call may take before an error naming the ranks that did not answer (null: no limit)"""
-    max_restarts: int = 0
-    """a lost worker (Ray): restart the workers from the newest checkpoint up to this many times; 0: stop with a clear error"""
-    resume: str = "never"
-    """never | auto: continue from the newest complete checkpoint in output_dir (partial ones are ignored)"""
-    wandb: str = "offline"
-    """wandb logging: offline (run files in <output_dir>/wandb, nothing leaves the machine) | online | disabled"""
-    wandb_project: str = "diffrl"
-    """wandb project"""
-    wandb_entity: Optional[str] = None
-    """wandb entity (team or user; null: the account's default)"""
-    wandb_run_name: Optional[str] = None
-    """wandb run name (null: the run folder's name)"""
     rollout_replicas: int = 0
     """Ray: rollout replicas, each a Ray actor with its own model copy synced from the actor after every step (0: the actor ranks sample)"""
     max_staleness: int = 0
@@ -422,3 +449,13 @@ class TrainerConfig:
     """Ray: GPUs per rollout replica (fractions share a GPU with the actor)"""
     num_cpus_per_rollout: float = 1.0
     """Ray: CPUs per rollout replica"""
+
+
+EVAL_KEYS = ("eval_prompts", "eval_num_prompts", "eval_every", "eval_seeds_per_prompt", "eval_seed", "max_grid_images", "ema",
+             "ema_decay", "ema_every", "select_by", "stop_when_diverging")
+MOVED_KEYS: dict[str, str] = {
+    **{f"trainer.{key}": "eval." + key.removeprefix("eval_") for key in EVAL_KEYS},
+    **{f"trainer.{f.name}": f"distributed.{f.name}" for f in fields(DistributedConfig)},
+}
+"""Keys that ``TrainerConfig`` held before it was split by concern (old key → new key); ``diffrl.recipes`` refuses an
+old key with one line naming its new place."""

@@ -42,7 +42,7 @@ def read_prompts(path: str | Path) -> list[str] | list[EditPrompt]:
 
 
 def load_prompts(spec: str, split: str) -> tuple[list, dict[str, dict]]:
-    """``trainer.prompts`` / ``trainer.eval_prompts``: a built-in prompt set's ``split`` (``train`` | ``test``,
+    """``trainer.prompts`` / ``eval.prompts``: a built-in prompt set's ``split`` (``train`` | ``test``,
     :mod:`diffrl.prompt_sets`) with each prompt's metadata (GenEval rows, OCR target texts), or a prompt file or
     editing records (:func:`read_prompts`, no metadata; ``split`` does not apply).
 
@@ -56,27 +56,28 @@ def load_prompts(spec: str, split: str) -> tuple[list, dict[str, dict]]:
     return prompts, (read_edit_metadata(spec) if prompts and isinstance(prompts[0], EditPrompt) else {})
 
 
-def run_prompts(trainer) -> tuple[list | None, list | None, dict[str, dict]]:
-    """A run's training prompts, evaluation prompts and the metadata of both (``trainer`` = the run's
-    ``TrainerConfig``): ``prompts`` (a set's train split or a file); ``eval_prompts`` (a set's test split or a
-    file), else the test split of ``prompts`` when it names a set, else ``prompts``; the first
-    ``eval_num_prompts`` of them when set. ``None`` where the family's built-in prompts apply."""
-    prompts, table = load_prompts(trainer.prompts, "train") if trainer.prompts else (None, {})
-    eval_spec = trainer.eval_prompts or (trainer.prompts if trainer.prompts and is_prompt_set(str(trainer.prompts)) else None)
+def run_prompts(cfg) -> tuple[list | None, list | None, dict[str, dict]]:
+    """A run's training prompts, evaluation prompts and the metadata of both (``cfg`` = the run's config):
+    ``trainer.prompts`` (a set's train split or a file); ``eval.prompts`` (a set's test split or a file), else the
+    test split of ``trainer.prompts`` when it names a set, else ``trainer.prompts``; the first ``eval.num_prompts``
+    of them when set. ``None`` where the family's built-in prompts apply."""
+    train, evaluation = cfg.trainer, cfg.eval
+    prompts, table = load_prompts(train.prompts, "train") if train.prompts else (None, {})
+    eval_spec = evaluation.prompts or (train.prompts if train.prompts and is_prompt_set(str(train.prompts)) else None)
     if eval_spec:
         eval_prompts, eval_table = load_prompts(eval_spec, "test")
         table = {**table, **eval_table}
     else:
         eval_prompts = prompts
-    return prompts, eval_subset(eval_prompts, trainer), table
+    return prompts, eval_subset(eval_prompts, evaluation), table
 
 
-def eval_subset(prompts: list | None, trainer) -> list | None:
+def eval_subset(prompts: list | None, evaluation) -> list | None:
     """The evaluation prompts of ``prompts`` (a run's, or the family's built-in ones): the first
-    ``trainer.eval_num_prompts`` of them when set, else all."""
-    if prompts is None or not trainer.eval_num_prompts:
+    ``eval.num_prompts`` of them when set, else all (``evaluation`` = the run's ``EvalConfig``)."""
+    if prompts is None or not evaluation.num_prompts:
         return prompts
-    return prompts[: int(trainer.eval_num_prompts)]
+    return prompts[: int(evaluation.num_prompts)]
 
 
 def sample_metadata(prompts: list[str], table: dict[str, dict], **shared) -> list[dict] | dict:

@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from diffrl.algorithms import ALGORITHMS, algorithm_class, check_config, group_class
 from diffrl.algorithms.policy_gradient import PolicyGradientConfig
-from diffrl.config import Check, ModelConfig, RewardConfig, SamplerConfig, TrainerConfig, eval_metric_names
+from diffrl.config import MOVED_KEYS, Check, DistributedConfig, EvalConfig, ModelConfig, RewardConfig, SamplerConfig, TrainerConfig, eval_metric_names
 from diffrl.engine.lora import check_lora_experts
 from diffrl.hub import HubError, is_hub_ref, offline, resolve_weights
 from diffrl.selection import metric_key
@@ -47,6 +47,8 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
 
 class ConfigError(ValueError):
@@ -134,9 +136,24 @@ def _algorithm_keys(overrides: list[str], bad_key: str) -> list[str]:
         return sorted({f.name for c in ALGORITHMS.values() for f in dataclasses.fields(c.Config)})
 
 
+def moved_key_message(old: str) -> str:
+    """The one line that refuses a key ``TrainerConfig`` held before it was split by concern (``MOVED_KEYS``)."""
+    new = MOVED_KEYS[old]
+    return f"{old} moved to {new}; set {new} instead (trainer.* is the loop, eval.* the evaluations, distributed.* the workers)"
+
+
+def _moved_keys_in(node: Any) -> list[str]:
+    """The old keys (``MOVED_KEYS``) under ``trainer`` of a config tree (a run's config.yaml written before the split)."""
+    trainer = node.get("trainer") if isinstance(node, (DictConfig, dict)) else None
+    return [f"trainer.{k}" for k in (trainer or {}) if f"trainer.{k}" in MOVED_KEYS]
+
+
 def _explain(exc: Exception, overrides: list[str] | None = None) -> str:
     """Turn hydra/omegaconf errors into one message that names the key and the valid choices."""
     text = str(exc)
+    moved = [k for k in re.findall(r"\btrainer\.\w+", f"{text} {getattr(exc, 'full_key', None) or ''}") if k in MOVED_KEYS]
+    if moved:  # set, appended or deleted: the key is elsewhere now
+        return moved_key_message(moved[0])
     match = re.search(r"Could not override '([^']+)'", text) or re.search(r"Key '([^']+)' (?:is )?not in", text)
     if match:
         key = match.group(1)
@@ -201,6 +218,9 @@ def to_config(cfg: DictConfig | Config) -> Config:
         return cfg
     if not isinstance(cfg, DictConfig) or OmegaConf.get_type(cfg) is not Config:  # e.g. a run's config.yaml: add the schema
         node = cfg if isinstance(cfg, DictConfig) else OmegaConf.create(cfg)
+        moved = _moved_keys_in(node)
+        if moved:
+            raise ConfigError(moved_key_message(moved[0]))
         try:
             cfg = OmegaConf.merge(schema(group_class(node.get("algorithm") or {}, _groups())), cfg)
         except ValueError as exc:
@@ -234,12 +254,12 @@ def _require(ok: bool, message: str) -> None:
 
 def check_sizes(cfg: Config | DictConfig) -> None:
     """Global sizes against workers and mini-batches, before any work: a clear error with valid sizes."""
-    t, a = cfg.trainer, cfg.algorithm
+    t, dist, a = cfg.trainer, cfg.distributed, cfg.algorithm
     if t.prompts_per_step < 1 or t.group_size < 1:
         raise ValueError(f"trainer.prompts_per_step and trainer.group_size must be ≥ 1, got {t.prompts_per_step} and {t.group_size}")
-    W = int(t.num_workers)
+    W = int(dist.num_workers)
     if W < 1:
-        raise ValueError(f"trainer.num_workers must be ≥ 1, got {W}")
+        raise ValueError(f"distributed.num_workers must be ≥ 1, got {W}")
     batch = t.prompts_per_step * t.group_size
     mini = a.mini_batch_size or batch
     if batch % mini:
@@ -251,41 +271,41 @@ def check_sizes(cfg: Config | DictConfig) -> None:
         if batch % W or mini % W:
             valid = [d for d in range(W, batch + 1, W) if batch % d == 0]
             raise ValueError(
-                f"{batch} trajectories per step (mini-batches of {mini}) cannot be split evenly over trainer.num_workers={W}: "
+                f"{batch} trajectories per step (mini-batches of {mini}) cannot be split evenly over distributed.num_workers={W}: "
                 f"prompts_per_step × group_size and algorithm.mini_batch_size must be multiples of {W} "
                 f"(valid mini_batch_size values: {valid})"
             )
         if not cfg.model.fsdp:
             raise ValueError(
-                f"model.fsdp=false with trainer.num_workers={W}: the workers would train unsynchronised copies (gradients are "
-                "averaged by FSDP2); keep model.fsdp=true or use trainer.num_workers=1"
+                f"model.fsdp=false with distributed.num_workers={W}: the workers would train unsynchronised copies (gradients are "
+                "averaged by FSDP2); keep model.fsdp=true or use distributed.num_workers=1"
             )
-        if cfg.model.fuse_lora_rollout and not int(t.rollout_replicas):
+        if cfg.model.fuse_lora_rollout and not int(dist.rollout_replicas):
             raise ValueError(
-                f"model.fuse_lora_rollout=true with trainer.num_workers={W}: the actor ranks sample with FSDP2-sharded weights, which "
-                "cannot be fused; use rollout replicas (trainer.rollout_replicas ≥ 1, whole weights), trainer.num_workers=1 or model.fuse_lora_rollout=false"
+                f"model.fuse_lora_rollout=true with distributed.num_workers={W}: the actor ranks sample with FSDP2-sharded weights, which "
+                "cannot be fused; use rollout replicas (distributed.rollout_replicas ≥ 1, whole weights), distributed.num_workers=1 or model.fuse_lora_rollout=false"
             )
     if cfg.model.fuse_lora_rollout and int(cfg.model.lora.rank) == 0:
         raise ValueError("model.fuse_lora_rollout=true needs a LoRA adapter (model.lora.rank > 0); full fine-tuning has nothing to fuse")
-    if t.ema and int(cfg.model.lora.rank) == 0:
-        raise ValueError("trainer.ema=true keeps an EMA of the LoRA (model.lora.rank > 0); full fine-tuning has none: train a LoRA or set trainer.ema=false")
+    if cfg.eval.ema and int(cfg.model.lora.rank) == 0:
+        raise ValueError("eval.ema=true keeps an EMA of the LoRA (model.lora.rank > 0); full fine-tuning has none: train a LoRA or set eval.ema=false")
     C = int(cfg.reward.async_chunks)
     if C < 1 or t.prompts_per_step % C:
         valid = [d for d in range(1, t.prompts_per_step + 1) if t.prompts_per_step % d == 0]
         raise ValueError(f"reward.async_chunks={C} must divide trainer.prompts_per_step={t.prompts_per_step} (chunks are whole prompt groups); valid: {valid}")
     if W > 1 and (batch // C) % W:
         valid = [d for d in range(1, t.prompts_per_step + 1) if t.prompts_per_step % d == 0 and (batch // d) % W == 0]
-        raise ValueError(f"reward.async_chunks={C} gives chunks of {batch // C} rollouts, not divisible by trainer.num_workers={W}; valid: {valid}")
-    R, k = int(t.rollout_replicas), int(t.max_staleness)
-    if R and t.backend != "ray":
-        raise ValueError(f"trainer.rollout_replicas={R} needs trainer.backend=ray (each replica is a Ray actor beside the actor ranks)")
+        raise ValueError(f"reward.async_chunks={C} gives chunks of {batch // C} rollouts, not divisible by distributed.num_workers={W}; valid: {valid}")
+    R, k = int(dist.rollout_replicas), int(dist.max_staleness)
+    if R and dist.backend != "ray":
+        raise ValueError(f"distributed.rollout_replicas={R} needs distributed.backend=ray (each replica is a Ray actor beside the actor ranks)")
     if k and not R:
-        raise ValueError(f"trainer.max_staleness={k} needs rollout replicas (trainer.rollout_replicas ≥ 1): rollouts on the actor ranks cannot run ahead of training")
+        raise ValueError(f"distributed.max_staleness={k} needs rollout replicas (distributed.rollout_replicas ≥ 1): rollouts on the actor ranks cannot run ahead of training")
     if R and (batch // C) % R:
         valid = [d for d in range(1, batch // C + 1) if (batch // C) % d == 0]
-        raise ValueError(f"trainer.rollout_replicas={R} must divide the {batch // C} rollouts of a request (prompts_per_step × group_size / reward.async_chunks); valid: {valid}")
+        raise ValueError(f"distributed.rollout_replicas={R} must divide the {batch // C} rollouts of a request (prompts_per_step × group_size / reward.async_chunks); valid: {valid}")
     if k and C > 1:
-        raise ValueError(f"reward.async_chunks={C} with trainer.max_staleness={k}: off-policy rollouts already overlap rewards with sampling; set reward.async_chunks=1")
+        raise ValueError(f"reward.async_chunks={C} with distributed.max_staleness={k}: off-policy rollouts already overlap rewards with sampling; set reward.async_chunks=1")
 
 
 def check_algorithm(cfg: Config | DictConfig, algorithm) -> bool:
@@ -293,20 +313,20 @@ def check_algorithm(cfg: Config | DictConfig, algorithm) -> bool:
     (replicas with staleness, FP8 rollouts) need a loss that corrects them; replicas cannot sync a full
     fine-tune's old policy; offline DPO pairs have no source images for an editing family. Returns whether the
     rollouts sample another policy (FP8) that the loss corrects."""
-    t, m = cfg.trainer, cfg.model
+    d, m = cfg.distributed, cfg.model
     objective = algorithm.objective()
     corrects = bool(getattr(objective, "rollout_correction", False))  # its loss weights behaviour log-probs by truncated IS
-    if t.max_staleness and not corrects:
+    if d.max_staleness and not corrects:
         used = " ".join(filter(None, [algorithm.name, getattr(objective, "loss_name", None)]))
-        raise ValueError(f"trainer.max_staleness={t.max_staleness} needs a loss that corrects off-policy rollouts (algorithm.trainer=policy_gradient "
-                         f"with algorithm.loss=flow_grpo or ddpo), not {used}; set trainer.max_staleness=0")
+        raise ValueError(f"distributed.max_staleness={d.max_staleness} needs a loss that corrects off-policy rollouts (algorithm.trainer=policy_gradient "
+                         f"with algorithm.loss=flow_grpo or ddpo), not {used}; set distributed.max_staleness=0")
     if m.rollout_precision != "model" and getattr(objective, "loss_name", None) and not corrects:
         raise ValueError(f"model.rollout_precision={m.rollout_precision} samples with another policy than the trained one, and "
                          f"{algorithm.name}'s loss {objective.loss_name} does not correct that (its log-probs need truncated importance "
                          "weights: flow_grpo or ddpo); set model.rollout_precision=model")
-    if t.rollout_replicas and m.lora.rank == 0 and algorithm.needs_old_policy:
-        raise ValueError(f"trainer.rollout_replicas={t.rollout_replicas} with full fine-tuning (model.lora.rank=0) cannot sync {algorithm.name}'s "
-                         "old policy (a frozen copy on the actor); train a LoRA or set trainer.rollout_replicas=0")
+    if d.rollout_replicas and m.lora.rank == 0 and algorithm.needs_old_policy:
+        raise ValueError(f"distributed.rollout_replicas={d.rollout_replicas} with full fine-tuning (model.lora.rank=0) cannot sync {algorithm.name}'s "
+                         "old policy (a frozen copy on the actor); train a LoRA or set distributed.rollout_replicas=0")
     if getattr(algorithm.config, "preference_pairs", None) and getattr(family_class(m.family), "editing", False):
         raise ValueError(f"algorithm.preference_pairs (offline DPO pairs) has no source images, and model family {m.family!r} edits images; "
                          "train it with online pairs (unset algorithm.preference_pairs) or another algorithm")
@@ -359,17 +379,17 @@ def validate(cfg: Config | DictConfig, *, hub_cache: bool = True) -> Config:
             resolve_reward(name)
         except RewardError as exc:
             raise ConfigError(f"reward {name!r} (reward.names / gold / fidelity / judges / feature_space) is invalid: {exc}") from None
-    t = cfg.trainer
-    if t.select_by is not None:
-        key, _ = metric_key(t.select_by)
+    e = cfg.eval
+    if e.select_by is not None:
+        key, _ = metric_key(e.select_by)
         metrics = eval_metric_names(r)
-        _require(key[len("eval/"):] in metrics or t.select_by.lstrip("-+").startswith("eval/"),
-                 f"trainer.select_by={t.select_by} names no evaluation metric: use a held-out judge ({', '.join([*([r.gold] if r.gold else []), *r.judges]) or 'none: set reward.gold or reward.judges'}) "
+        _require(key[len("eval/"):] in metrics or e.select_by.lstrip("-+").startswith("eval/"),
+                 f"eval.select_by={e.select_by} names no evaluation metric: use a held-out judge ({', '.join([*([r.gold] if r.gold else []), *r.judges]) or 'none: set reward.gold or reward.judges'}) "
                  "or an eval/ key of metrics.jsonl (a leading - selects the lowest)")
-        _require(key[len("eval/"):] not in r.names or bool(t.stop_when_diverging) is False,
-                 f"trainer.stop_when_diverging={t.stop_when_diverging} compares the reward with trainer.select_by={t.select_by}, which is the reward itself; select by a judge the run does not train on")
-    _require(not t.stop_when_diverging or t.select_by is not None,
-             f"trainer.stop_when_diverging={t.stop_when_diverging} needs trainer.select_by=<a held-out judge> (what must not fall while the reward rises)")
+        _require(key[len("eval/"):] not in r.names or bool(e.stop_when_diverging) is False,
+                 f"eval.stop_when_diverging={e.stop_when_diverging} compares the reward with eval.select_by={e.select_by}, which is the reward itself; select by a judge the run does not train on")
+    _require(not e.stop_when_diverging or e.select_by is not None,
+             f"eval.stop_when_diverging={e.stop_when_diverging} needs eval.select_by=<a held-out judge> (what must not fall while the reward rises)")
     if hub_cache and offline():
         check_hub_cache(cfg)
     return cfg

@@ -1,10 +1,13 @@
 """Where an RL step's scored trajectories come from: sampled now on the actor ranks or the rollout replicas
 (optionally in chunks whose rewards overlap the next chunk's sampling), or collected from requests sent ahead to
 the replicas (bounded staleness); trajectories of another policy than the trained one (stale replica weights,
-FP8 rollouts) get the trained policy marked as the proximal policy of the loss's truncated importance weights."""
+FP8 rollouts) get the trained policy marked as the proximal policy of the loss's truncated importance weights.
+Each step's request (:func:`rollout_request`) carries its prompts, per-sample seeds and the algorithm's plan for
+the training window's masks (:func:`build_window`, :func:`window_masks`)."""
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -18,7 +21,49 @@ from diffrl.data import sample_metadata
 from diffrl.distributed import WorkerGroup
 from diffrl.distributed.rollout import RolloutReplicas
 from diffrl.recipes import Config
+from diffrl.sampling.request import sample_batch
+from diffrl.sampling.schedules import TrainingWindow
+from diffrl.sampling.seeding import Stream, derive
+from pipelines.base import split_prompts
 from rewards.base import score
+
+
+def build_window(cfg: Config) -> TrainingWindow:
+    """The run's training window (``sampler.window`` and its settings; seeded by ``trainer.seed``)."""
+    s = cfg.sampler
+    window_range = list(s.window_range) or [0, s.num_steps]
+    if len(window_range) != 2:
+        raise ValueError(f"sampler.window_range must be [start, end), got {window_range}")
+    return TrainingWindow(
+        s.window, s.num_steps, seed=cfg.trainer.seed, timestep_fraction=s.timestep_fraction, size=s.window_size,
+        range_start=window_range[0], range_end=window_range[1], shift=s.window_shift, shift_every=s.window_shift_every,
+        frozen=s.window_frozen,
+    )
+
+
+def window_masks(window: TrainingWindow, step: int):
+    """The training window's masks of RL step ``step``; a step ahead of the window (an off-policy rollout sent early)
+    gets them from a copy advanced to it (the window moves deterministically)."""
+    if step > window.count:
+        window = copy.deepcopy(window)
+        for _ in range(step - window.count):
+            window.advance()
+    return window.masks(step)
+
+
+def rollout_request(cfg: Config, algorithm: Algorithm, step_prompts: list, masks, step: int) -> TensorDict:
+    """RL step ``step``'s rollout request: per-sample seeds (stream ``ROLLOUT``), groups of
+    ``trainer.group_size``, the prompts and the algorithm's :class:`~diffrl.algorithms.RolloutPlan` (for the
+    window's ``masks``) as non-tensor flags."""
+    t = cfg.trainer
+    prompts, sources = split_prompts(step_prompts)
+    G = t.group_size
+    request = algorithm.rollout_plan(masks).request(int(cfg.sampler.micro_batch_size) if cfg.sampler.micro_batch_size else None)
+    return sample_batch(
+        [p for p in prompts for _ in range(G)], [derive(t.seed, Stream.ROLLOUT, step, j, s) for j in range(len(prompts)) for s in range(G)], request,
+        group_id=torch.arange(len(prompts)).repeat_interleave(G), source_images=None if sources is None else sources.repeat_interleave(G, dim=0),
+        init_seeds=[derive(t.seed, Stream.INITIAL_NOISE, step, j) for j in range(len(prompts)) for _ in range(G)] if cfg.sampler.same_initial_noise else None,
+    )
 
 
 def sources_of(traj: TensorDict) -> torch.Tensor | None:
@@ -52,7 +97,7 @@ class RolloutDriver:
     def rollouts(self, step: int, times: dict) -> tuple[TensorDict, dict[str, torch.Tensor], dict]:
         """Step ``step``'s trajectories, their scores and the record's rollout entries (rewards' means, the behaviour
         weights' version and staleness with replicas)."""
-        if self.replicas is not None and self.cfg.trainer.max_staleness:
+        if self.replicas is not None and self.cfg.distributed.max_staleness:
             traj, scores = self.off_policy_rollout(step, times)
         else:
             traj, scores = self.rollout_and_score(step, times)
@@ -122,15 +167,15 @@ class RolloutDriver:
     def off_policy_rollout(self, step: int, times: dict) -> tuple[TensorDict, dict[str, torch.Tensor]]:
         """Step ``step``'s trajectories from the queue of requests running ahead on the replicas, scored.
 
-        Requests for steps up to ``step + trainer.max_staleness`` are sent (each replica runs them in order,
+        Requests for steps up to ``step + distributed.max_staleness`` are sent (each replica runs them in order,
         with the weights it holds when it reaches them: the sync after step ``s`` reaches a replica after the
         requests sent before it). So step ``s + k``'s request, sent at step ``s``, is sampled with the weights
         of version ``s`` while the actor trains step ``s``: staleness ``k`` in the steady state (``j < k`` for
         the first steps ``j``). Sets ``time/rollout`` (the replicas' sampling), ``time/rollout_wait`` (the
         driver waiting for it) and ``time/reward``.
         """
-        t = self.cfg.trainer
-        while self._next_rollout <= min(step + int(t.max_staleness), t.steps - 1):
+        steps = self.cfg.trainer.steps
+        while self._next_rollout <= min(step + int(self.cfg.distributed.max_staleness), steps - 1):
             if self.algorithm.needs_rollout(self._next_rollout):
                 self._rollout_queue[self._next_rollout] = self.replicas.submit(self.request_fn(self._next_rollout))
             self._next_rollout += 1
@@ -172,4 +217,4 @@ class RolloutDriver:
         times["time/proximal"] = time.perf_counter() - start
 
 
-__all__ = ["RolloutDriver", "sources_of"]
+__all__ = ["RolloutDriver", "build_window", "rollout_request", "sources_of", "window_masks"]

@@ -3,10 +3,10 @@
 A run optimises its reward; a held-out judge (``reward.gold`` or one of ``reward.judges``, never trained on) says
 whether the gains are real. Two settings act on the evaluations' history:
 
-* ``trainer.select_by=<metric>`` keeps the best checkpoint by that metric: each evaluation that improves on every
+* ``eval.select_by=<metric>`` keeps the best checkpoint by that metric: each evaluation that improves on every
   earlier one (the evaluation before training included) writes a checkpoint at its step and ``best.json`` names it.
   ``-<metric>`` selects the lowest value (e.g. a distance).
-* ``trainer.stop_when_diverging=k`` stops the run when, over the last ``k`` evaluations, the evaluation reward (the
+* ``eval.stop_when_diverging=k`` stops the run when, over the last ``k`` evaluations, the evaluation reward (the
   weighted sum of ``reward.names``, on the held-out prompts) rose every time while the ``select_by`` metric fell every
   time: the reward-hacking signature (reward up, judge down). The stop names the step and the best checkpoint.
 
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 
 def metric_key(name: str) -> tuple[str, float]:
-    """``(eval key, sign)`` of a ``trainer.select_by`` value: ``digits_gold2`` → ``("eval/digits_gold2", +1)``,
+    """``(eval key, sign)`` of a ``eval.select_by`` value: ``digits_gold2`` → ``("eval/digits_gold2", +1)``,
     ``-eval/frechet_distance`` → ``("eval/frechet_distance", −1)`` (lower is better)."""
     sign = -1.0 if name.startswith("-") else 1.0
     key = name.lstrip("-+")
@@ -43,11 +43,11 @@ def diverging(rewards: list[float], judge: list[float], k: int) -> bool:
 
 @dataclass
 class Selection:
-    """The evaluation history of one run as ``trainer.select_by`` / ``trainer.stop_when_diverging`` read it.
+    """The evaluation history of one run as ``eval.select_by`` / ``eval.stop_when_diverging`` read it.
 
     Attributes:
-        metric: ``trainer.select_by`` (``None``: nothing is selected, nothing stops).
-        patience: ``trainer.stop_when_diverging`` (``k``; 0: never stops).
+        metric: ``eval.select_by`` (``None``: nothing is selected, nothing stops).
+        patience: ``eval.stop_when_diverging`` (``k``; 0: never stops).
         reward_weights: reward name → weight: the evaluation reward is ``Σ w · eval/<name>``.
         steps, rewards, judge: one entry per evaluation observed.
         best: ``{"step", "value", "metric"}`` of the best evaluation so far (signed back to the metric's own scale).
@@ -68,7 +68,7 @@ class Selection:
             return False, False
         key, sign = metric_key(self.metric)
         if key not in evals:
-            raise KeyError(f"trainer.select_by={self.metric}: the evaluation has no {key}; it has {sorted(k for k in evals if k.startswith('eval/'))}")
+            raise KeyError(f"eval.select_by={self.metric}: the evaluation has no {key}; it has {sorted(k for k in evals if k.startswith('eval/'))}")
         value = float(evals[key])
         reward = sum(w * float(evals[f"eval/{name}"]) for name, w in self.reward_weights.items())
         self.steps.append(int(step))
@@ -88,4 +88,4 @@ class Selection:
         use = f"checkpoint step_{self.best['step']:06d}" if self.best and self.best["step"] > 0 else "the base model (no step beat it)"
         return (f"stopped at step {last}: from step {first} the evaluation reward rose at each of the last {k} evaluations "
                 f"({self.rewards[-(k + 1)]:.4g} → {self.rewards[-1]:.4g}) while {key} fell ({judge[0]:.4g} → {judge[-1]:.4g}), the reward-hacking "
-                f"signature (trainer.stop_when_diverging={k}); use {use}, the best by {key}")
+                f"signature (eval.stop_when_diverging={k}); use {use}, the best by {key}")

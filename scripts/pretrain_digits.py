@@ -89,7 +89,7 @@ def base_scores(adapter, judge: DigitsClassifier, guidance_scale: float, seeds_p
     """Gold accuracy, realness pass rate (``rewards.digits.realness``) and fidelity gold (right **and** real) of
     10-step ODE samples: every prompt × ``seeds_per_prompt`` held-out seeds.
 
-    The same prompts, seeds and sampler as the trainer's evaluation (``trainer.eval_seed=1234``).
+    The same prompts, seeds and sampler as the trainer's evaluation (``eval.seed=1234``).
     """
     prompts, seeds = eval_prompts_and_seeds(all_prompts(), seeds_per_prompt, eval_seed)
     td = sample_trajectories(adapter, prompts, settings=SamplerConfig(num_steps=10, kind="ode", guidance_scale=guidance_scale), seeds=seeds)

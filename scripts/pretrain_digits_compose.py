@@ -21,7 +21,7 @@ Seeded end to end (``--seed``; ≤ 15 CPU minutes). Steps:
    jointly) learns rectified flow (``x_σ = (1 − σ)x0 + σε``, ``v = ε − x0``, logit-normal σ); ``--cond-dropout``
    of the prompts are emptied for CFG. Its step budget leaves it weak on the hard types (base: single object
    0.80, counting 0.35, colour attribution 0.05, position 0.00). Every ``--eval-every`` steps the trainer's
-   evaluation runs on the EMA weights (the 60 built-in prompts × 4 held-out seeds ``trainer.eval_seed=1234``,
+   evaluation runs on the EMA weights (the 60 built-in prompts × 4 held-out seeds ``eval.seed=1234``,
    10 ODE steps, guidance 1). ``--stop-at-gold`` stops at the first evaluation whose gold reaches it (default
    never); ``--max-minutes`` stops after that much wall time.
 3. ``metadata.json`` records the settings, the history and the base model's gold overall and per task type

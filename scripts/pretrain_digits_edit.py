@@ -14,7 +14,7 @@ Seeded end to end (``--seed``; a few CPU minutes). Steps:
    jointly) learns rectified flow towards the target (``x_σ = (1 − σ)x0 + σε``, ``v = ε − x0``, logit-normal
    σ), the source concatenated to ``x_σ``; ``--cond-dropout`` of the instructions are emptied (source kept) for
    CFG. It is deliberately left under-trained: every ``--eval-every`` steps the trainer's evaluation is run
-   (the 60 built-in prompts × 4 held-out seeds ``trainer.eval_seed=1234``, 10 ODE steps, guidance 1) and
+   (the 60 built-in prompts × 4 held-out seeds ``eval.seed=1234``, 10 ODE steps, guidance 1) and
    training stops at the first evaluation whose gold edit success (``digits_edit_gold``) reaches
    ``--stop-at-success``, so that RL has room to improve it.
 3. ``metadata.json`` records the settings, the history and the base model's gold edit success, preservation

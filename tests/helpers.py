@@ -24,7 +24,7 @@ def tiny_run_overrides(tmp_path, out, steps, prompts, *extra, checkpoint_every: 
     path.write_text("\n".join(prompts) + "\n")
     return [
         "sampler.num_steps=3", "sampler.eval_num_steps=2", f"trainer.steps={steps}", "trainer.prompts_per_step=2",
-        "trainer.group_size=3", "trainer.eval_seeds_per_prompt=1", "trainer.eval_every=100", f"trainer.checkpoint_every={checkpoint_every}",
+        "trainer.group_size=3", "eval.seeds_per_prompt=1", "eval.every=100", f"trainer.checkpoint_every={checkpoint_every}",
         f"trainer.output_dir={out}", "trainer.progress=false", f"trainer.prompts={path}", *extra,
     ]
 
@@ -32,6 +32,6 @@ def tiny_run_overrides(tmp_path, out, steps, prompts, *extra, checkpoint_every: 
 def short_recipe_run(out: Path, experiment: str, steps: int) -> dict:
     """The first ``steps`` steps of recipe ``experiment`` into ``out``, evaluated before and after on the 60 prompts × 1
     held-out seed (no progress bar, no wandb); returns its ``summary.json``."""
-    assert main(["train", f"experiment={experiment}", f"trainer.steps={steps}", f"trainer.eval_every={steps}", "trainer.eval_seeds_per_prompt=1",
+    assert main(["train", f"experiment={experiment}", f"trainer.steps={steps}", f"eval.every={steps}", "eval.seeds_per_prompt=1",
                  f"trainer.checkpoint_every={steps}", "trainer.progress=false", "trainer.wandb=disabled", f"trainer.output_dir={out}"]) == 0
     return json.loads((out / "summary.json").read_text())

@@ -14,7 +14,7 @@ SHARED_HELPERS = {"diffrl.hub"}  # leaf modules of diffrl that the plug-ins may 
 # diffrl's layers, top to bottom: a module may import its own layer's modules and the layers below it
 LAYERS = [
     ("diffrl.tools",),
-    ("diffrl.trainer", "diffrl.resume", "diffrl.rollout_driver", "diffrl.run_report"),
+    ("diffrl.trainer", "diffrl.resume", "diffrl.rollout_driver", "diffrl.run_evaluation", "diffrl.run_setup", "diffrl.run_report"),
     ("diffrl.recipes",),
     ("diffrl.distributed",),
     ("diffrl.algorithms",),

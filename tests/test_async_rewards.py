@@ -8,13 +8,13 @@ import time
 import pytest
 import torch
 
-from diffrl.recipes import compose
-from diffrl.trainer import Trainer, check_sizes
+from diffrl.recipes import check_sizes, compose
+from diffrl.trainer import Trainer
 from rewards.base import Reward, RewardError, register_reward
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
-SHORT = ["trainer.prompts_per_step=4", "trainer.group_size=4", "trainer.eval_seeds_per_prompt=1", "trainer.progress=false",
+SHORT = ["trainer.prompts_per_step=4", "trainer.group_size=4", "eval.seeds_per_prompt=1", "trainer.progress=false",
          "trainer.wandb=disabled", "algorithm.mini_batch_size=null", "sampler.num_steps=4", "sampler.eval_num_steps=4",
          "sampler.micro_batch_size=4", "reward.gold=null"]
 
@@ -96,4 +96,4 @@ def test_async_chunks_must_split_whole_prompt_groups():
     with pytest.raises(ValueError, match=r"reward.async_chunks=3 must divide trainer.prompts_per_step=4.*valid: \[1, 2, 4\]"):
         check_sizes(compose(["trainer.prompts_per_step=4", "reward.async_chunks=3"]))
     with pytest.raises(ValueError, match=r"model.fsdp=false"):
-        check_sizes(compose(["trainer.num_workers=2", "model.fsdp=false", "trainer.prompts_per_step=4"]))
+        check_sizes(compose(["distributed.num_workers=2", "model.fsdp=false", "trainer.prompts_per_step=4"]))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,15 +13,15 @@ import torch
 from helpers import make_engine
 
 from diffrl.checkpoint import list_checkpoints, load_engine
-from diffrl.config import SamplerConfig
+from diffrl.config import MOVED_KEYS, DistributedConfig, EvalConfig, SamplerConfig
 from diffrl.engine.engine import DiffusionEngine
 from diffrl.logging import read_jsonl
-from diffrl.recipes import ConfigError, compose
+from diffrl.recipes import ConfigError, compose, to_config
 from diffrl.tools.cli import main
 from pipelines.digits import DigitsAdapter
 from rewards.base import Reward, RewardError, register_reward, score
 
-SHORT = ["trainer.steps=2", "trainer.prompts_per_step=2", "trainer.group_size=4", "trainer.eval_seeds_per_prompt=1",
+SHORT = ["trainer.steps=2", "trainer.prompts_per_step=2", "trainer.group_size=4", "eval.seeds_per_prompt=1",
          "trainer.progress=false", "algorithm.mini_batch_size=null", "sampler.num_steps=4", "sampler.eval_num_steps=4"]
 
 
@@ -36,8 +38,31 @@ def test_cli_unknown_key_exits_with_message(capsys):
     assert "model.lora.rnk" in err and "rank" in err
 
 
+@pytest.mark.parametrize("old", sorted(MOVED_KEYS))
+def test_a_key_trainer_config_held_before_its_split_names_its_new_place(old):
+    """``TrainerConfig`` was split by concern (``eval.*``, ``distributed.*``): each old key, set, added or deleted, is
+    refused by one line naming the new key, and the new key holds the value."""
+    new = MOVED_KEYS[old]
+    for override in (f"{old}=1", f"+{old}=1", f"~{old}"):
+        with pytest.raises(ConfigError) as info:
+            compose([override])
+        assert str(info.value).startswith(f"{old} moved to {new}; set {new} instead") and "\n" not in str(info.value)
+    with pytest.raises(ConfigError, match=rf"^{re.escape(old)} moved to {re.escape(new)}"):  # a run's config.yaml written before the split
+        to_config({"trainer": {old.split(".", 1)[1]: 1}})
+    group, key = new.split(".")
+    assert key in {f.name for f in dataclasses.fields({"eval": EvalConfig, "distributed": DistributedConfig}[group])}
+
+
+def test_cli_refuses_a_moved_key_with_one_line_and_exit_2(capsys, monkeypatch):
+    monkeypatch.delenv("DIFFRL_TRACEBACK", raising=False)
+    assert main(["train", "trainer.eval_every=2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("diffrl: error: trainer.eval_every moved to eval.every; set eval.every instead "
+                   "(trainer.* is the loop, eval.* the evaluations, distributed.* the workers)"), err
+
+
 def test_model_and_reward_options_reach_the_adapter_and_reward(capsys):
-    from diffrl.trainer import worker_config
+    from diffrl.run_setup import worker_config
     from pipelines import build_adapter
 
     cfg = compose(["model=sd3_tiny", "+model.options.decode_chunk=3", "+model.options.max_sequence_length=16",
@@ -54,7 +79,7 @@ def test_model_and_reward_options_reach_the_adapter_and_reward(capsys):
 
 
 def test_lora_target_modules_from_config():
-    from diffrl.trainer import worker_config
+    from diffrl.run_setup import worker_config
 
     cfg = compose(["model.lora.target_modules=[to_q,to_v]"])
     config = worker_config(cfg)

@@ -32,7 +32,7 @@ from tests.conftest import randomise_lora
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 RUN = ["trainer.steps=1", "trainer.prompts_per_step=2", "trainer.group_size=2", "sampler.num_steps=3", "sampler.eval_num_steps=3",
-       "trainer.eval_seeds_per_prompt=2", "trainer.progress=false", "algorithm.lr=0.01"]
+       "eval.seeds_per_prompt=2", "trainer.progress=false", "algorithm.lr=0.01"]
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from diffrl.algorithms import ALGORITHMS, build_algorithm
 from diffrl.algorithms.dgpo import DGPOObjective, dgpo_loss, flow_errors, group_weights
 from diffrl.recipes import ConfigError, compose
 from diffrl.tools.cli import main
-from diffrl.trainer import run_context
+from diffrl.run_setup import run_context
 
 
 def _sigmoid(x: float) -> float:

@@ -45,7 +45,7 @@ def test_classifiers_accurate_on_held_out_real_digits():
 
 
 def test_base_generator_leaves_room_to_learn_and_draws_real_digits():
-    """The trainer's evaluation (every prompt × 4 held-out seeds, trainer.eval_seed=1234, 10 ODE steps) reproduces the
+    """The trainer's evaluation (every prompt × 4 held-out seeds, eval.seed=1234, 10 ODE steps) reproduces the
     metadata's gold, realness and fidelity gold (issue 39); most samples lie within reach of a real digit (the base
     shipped before 2026-12-05: 0 %, RESULTS.md) while gold leaves room to learn."""
     adapter = DigitsAdapter(path=str(ASSET_DIR))

@@ -235,7 +235,7 @@ def test_recipe_trains_two_steps_and_evaluates_like_the_base_evaluation(tmp_path
     rc = main([
         "train", "experiment=digits_compose_flow_grpo", "trainer.steps=2", f"trainer.output_dir={out}", "trainer.wandb=disabled",
         "trainer.progress=false", "trainer.prompts_per_step=2", "trainer.group_size=2", "sampler.num_steps=2",
-        "sampler.eval_num_steps=2", "trainer.eval_every=2", "trainer.eval_seeds_per_prompt=1", "trainer.checkpoint_every=0",
+        "sampler.eval_num_steps=2", "eval.every=2", "eval.seeds_per_prompt=1", "trainer.checkpoint_every=0",
     ])
     assert rc in (0, None)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

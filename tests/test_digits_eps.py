@@ -71,8 +71,8 @@ def test_ddpo_recipe_trains_on_jpeg_compressibility(tmp_path):
 
     out = tmp_path / "ddpo"
     args = ["train", "experiment=digits_ddpo", f"trainer.output_dir={out}", "trainer.steps=2", "trainer.prompts_per_step=2",
-            "trainer.group_size=4", "sampler.num_steps=4", "sampler.eval_num_steps=4", "trainer.eval_seeds_per_prompt=1",
-            "trainer.eval_every=100", "trainer.progress=false", "trainer.wandb=disabled"]
+            "trainer.group_size=4", "sampler.num_steps=4", "sampler.eval_num_steps=4", "eval.seeds_per_prompt=1",
+            "eval.every=100", "trainer.progress=false", "trainer.wandb=disabled"]
     assert main(args) == 0
     cfg = (out / "config.yaml").read_text()
     assert "family: digits_eps" in cfg and "kind: ddim" in cfg and "loss: ddpo" in cfg
@@ -105,7 +105,7 @@ def test_stochastic_evaluation_samples_the_rollout_step_on_fixed_seeds(shipped):
     from diffrl.distributed.workers import ActorRolloutRefWorker
     from diffrl.recipes import compose
     from diffrl.sampling.request import SampleRequest, sample_batch
-    from diffrl.trainer import worker_config
+    from diffrl.run_setup import worker_config
 
     prompts, seeds = ["a red seven", "a blue two", "a green one"], [11, 12, 13]
 

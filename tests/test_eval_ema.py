@@ -1,4 +1,4 @@
-"""``trainer.ema``: evaluation on an EMA of the trained LoRA (flow_grpo's ``train.ema``).
+"""``eval.ema``: evaluation on an EMA of the trained LoRA (flow_grpo's ``train.ema``).
 
 The EMA is a LoRA adapter ``ema``: a copy of the initial adapter, moved towards the trained one every ``ema_every`` RL
 steps with decay ``min((1 + s)/(10 + s), ema_decay)``. Checked here: the closed form step by step from the
@@ -17,7 +17,8 @@ from safetensors.torch import load_file
 from diffrl.logging import read_jsonl
 from diffrl.recipes import ConfigError, compose
 from diffrl.tools.cli import main
-from diffrl.trainer import Trainer, ema_decay
+from diffrl.run_evaluation import ema_decay
+from diffrl.trainer import Trainer
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -25,7 +26,7 @@ PROMPTS = ["a red seven", "a green three", "a blue one", "a yellow zero"]
 
 
 def _overrides(tmp_path, out, steps, *extra):
-    return tiny_run_overrides(tmp_path, out, steps, PROMPTS, "algorithm.lr=0.01", "trainer.ema=true", "trainer.ema_every=1", *extra, checkpoint_every=1)
+    return tiny_run_overrides(tmp_path, out, steps, PROMPTS, "algorithm.lr=0.01", "eval.ema=true", "eval.ema_every=1", *extra, checkpoint_every=1)
 
 
 def _weights(run, step):
@@ -64,7 +65,7 @@ def test_the_ema_leaves_training_untouched(ema_run):
     """Rollouts and updates run on the trained weights: with and without the EMA the training records are equal."""
     tmp, run = ema_run
     plain = tmp / "plain"
-    Trainer(compose([o for o in _overrides(tmp, plain, 4) if not o.startswith("trainer.ema")])).fit()
+    Trainer(compose([o for o in _overrides(tmp, plain, 4) if not o.startswith("eval.ema")])).fit()
 
     def train(r, drop=("ema_decay",)):
         return [{k: v for k, v in x.items() if k not in drop and not k.startswith(("time", "perf/")) and "seconds" not in k}
@@ -90,7 +91,7 @@ def test_turning_the_ema_on_or_off_on_resume(tmp_path):
     """On: a checkpoint without an EMA starts one from its weights. Off: the checkpoint's EMA is no longer what the run
     evaluates, so ``diffrl eval --run`` takes the trained weights."""
     on = tmp_path / "on"
-    no_ema = [o for o in _overrides(tmp_path, on, 2) if not o.startswith("trainer.ema")]
+    no_ema = [o for o in _overrides(tmp_path, on, 2) if not o.startswith("eval.ema")]
     Trainer(compose(no_ema)).fit()
     Trainer(compose(_overrides(tmp_path, on, 3, "trainer.resume=auto"))).fit()
     w2, w3 = _weights(on, 2), _weights(on, 3)
@@ -103,7 +104,7 @@ def test_turning_the_ema_on_or_off_on_resume(tmp_path):
 
     off = tmp_path / "off"
     Trainer(compose(_overrides(tmp_path, off, 2))).fit()
-    Trainer(compose([o for o in _overrides(tmp_path, off, 3, "trainer.resume=auto") if not o.startswith("trainer.ema")])).fit()
+    Trainer(compose([o for o in _overrides(tmp_path, off, 3, "trainer.resume=auto") if not o.startswith("eval.ema")])).fit()
     assert any(".ema." in k for k in _weights(off, 3))  # kept, no longer updated
     assert main(["eval", "--run", str(off), "--out", str(tmp_path / "e_off")]) == 0
     assert json.loads((tmp_path / "e_off" / "eval.json").read_text())["adapter"] == "default"
@@ -143,14 +144,14 @@ def test_export_lora_takes_the_chosen_adapter(ema_run, tmp_path):
 
 def test_bad_ema_settings_fail_before_any_work(tmp_path):
     out = tmp_path / "r"
-    with pytest.raises(ValueError, match="trainer.ema=true keeps an EMA of the LoRA"):
+    with pytest.raises(ValueError, match="eval.ema=true keeps an EMA of the LoRA"):
         Trainer(compose(_overrides(tmp_path, out, 1, "model.lora.rank=0")))
-    with pytest.raises(ConfigError, match="trainer.ema_decay"):
-        Trainer(compose(_overrides(tmp_path, out, 1, "trainer.ema_decay=1.0")))
-    with pytest.raises(ConfigError, match="trainer.ema_every"):
-        Trainer(compose(_overrides(tmp_path, out, 1, "trainer.ema_every=0")))
+    with pytest.raises(ConfigError, match="eval.ema_decay"):
+        Trainer(compose(_overrides(tmp_path, out, 1, "eval.ema_decay=1.0")))
+    with pytest.raises(ConfigError, match="eval.ema_every"):
+        Trainer(compose(_overrides(tmp_path, out, 1, "eval.ema_every=0")))
     assert not out.exists()
     # a run trained without the EMA has none to evaluate
     plain = tmp_path / "plain"
-    Trainer(compose([o for o in _overrides(tmp_path, plain, 1) if not o.startswith("trainer.ema")])).fit()
+    Trainer(compose([o for o in _overrides(tmp_path, plain, 1) if not o.startswith("eval.ema")])).fit()
     assert main(["eval", "--run", str(plain), "--adapter", "ema", "--out", str(tmp_path / "e")]) != 0

@@ -12,7 +12,8 @@ from diffrl.distributed.workers import ActorRolloutRefWorker
 from diffrl.recipes import compose
 from diffrl.sampling.evaluator import Evaluator, evaluate, local_generate
 from diffrl.sampling.request import REQUEST_KEY, SampleRequest, sample_batch
-from diffrl.trainer import build_window, rollout_request, run_context, worker_config
+from diffrl.rollout_driver import build_window, rollout_request
+from diffrl.run_setup import run_context, worker_config
 from rewards.base import build_reward
 
 pytestmark = pytest.mark.usefixtures("single_thread")

@@ -18,7 +18,7 @@ from diffrl.config import SamplerConfig
 from diffrl.recipes import ConfigError, compose
 from diffrl.sampling.rollout import sample_trajectories
 from diffrl.tools.cli import main
-from diffrl.trainer import run_context
+from diffrl.run_setup import run_context
 
 
 def test_mask_is_asymmetric_and_keeps_corrective_updates():

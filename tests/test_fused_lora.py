@@ -116,10 +116,10 @@ def test_sharded_weights_sample_unfused():
 def test_bad_fuse_settings_fail_before_any_work():
     with pytest.raises(ValueError, match=r"model.fuse_lora_rollout=true needs a LoRA adapter"):
         check_sizes(compose(["model.fuse_lora_rollout=true", "model.lora.rank=0"]))
-    with pytest.raises(ValueError, match=r"model.fuse_lora_rollout=true with trainer.num_workers=2: .*sharded"):
-        check_sizes(compose(["model.fuse_lora_rollout=true", "trainer.num_workers=2", "trainer.backend=ray"]))
+    with pytest.raises(ValueError, match=r"model.fuse_lora_rollout=true with distributed.num_workers=2: .*sharded"):
+        check_sizes(compose(["model.fuse_lora_rollout=true", "distributed.num_workers=2", "distributed.backend=ray"]))
     # sampling on replicas (whole weights) while the actor ranks are sharded is allowed
-    check_sizes(compose(["model.fuse_lora_rollout=true", "trainer.num_workers=2", "trainer.backend=ray", "trainer.rollout_replicas=1"]))
+    check_sizes(compose(["model.fuse_lora_rollout=true", "distributed.num_workers=2", "distributed.backend=ray", "distributed.rollout_replicas=1"]))
 
 
 def test_worker_rollout_with_fused_lora_matches_and_trains():

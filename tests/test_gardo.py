@@ -21,7 +21,7 @@ from diffrl.algorithms.losses import flow_grpo_loss, make_step_loss
 from diffrl.config import SamplerConfig
 from diffrl.recipes import ConfigError, compose
 from diffrl.tools.cli import main
-from diffrl.trainer import run_context
+from diffrl.run_setup import run_context
 from pipelines.digits import DigitsAdapter
 from tests.conftest import randomise_lora
 

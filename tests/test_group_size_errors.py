@@ -10,7 +10,7 @@ import pytest
 from diffrl.algorithms import build_algorithm
 from diffrl.recipes import compose
 from diffrl.tools.cli import main
-from diffrl.trainer import run_context
+from diffrl.run_setup import run_context
 
 PROMPTS = ["a red seven", "a blue two"]
 
@@ -33,7 +33,7 @@ def _overrides(tmp_path, out, *extra, prompts_per_step: int = 2):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("\n".join(PROMPTS) + "\n")
     return [
-        "trainer.steps=1", f"trainer.prompts_per_step={prompts_per_step}", "trainer.eval_seeds_per_prompt=1", "trainer.eval_every=100",
+        "trainer.steps=1", f"trainer.prompts_per_step={prompts_per_step}", "eval.seeds_per_prompt=1", "eval.every=100",
         "trainer.checkpoint_every=100", "trainer.threads=1", f"trainer.output_dir={out}", "trainer.progress=false", f"trainer.prompts={prompts}",
         *extra,
     ]
@@ -93,7 +93,7 @@ def test_ddpo_per_prompt_tracker_trains_with_a_group_of_one(tmp_path, capsys, mo
 
 
 def test_more_ray_ranks_than_the_cluster_holds_is_one_line_exit_2(tmp_path, capsys, monkeypatch):
-    """``trainer.num_workers=64`` on a 2-CPU Ray: the capacity message, one line, status 2, no traceback, no run folder."""
+    """``distributed.num_workers=64`` on a 2-CPU Ray: the capacity message, one line, status 2, no traceback, no run folder."""
     import ray
 
     monkeypatch.delenv("DIFFRL_TRACEBACK", raising=False)
@@ -101,11 +101,11 @@ def test_more_ray_ranks_than_the_cluster_holds_is_one_line_exit_2(tmp_path, caps
     ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=150 * 1024 * 1024, log_to_driver=False)
     capsys.readouterr()  # Ray's own start-up lines
     try:
-        rc = main(["train", *_overrides(tmp_path, out, "trainer.backend=ray", "trainer.num_workers=64", "trainer.group_size=2",
+        rc = main(["train", *_overrides(tmp_path, out, "distributed.backend=ray", "distributed.num_workers=64", "trainer.group_size=2",
                                         "algorithm.mini_batch_size=64", prompts_per_step=32)])
         assert rc == 2
         line = _one_line_error(capsys)
-        assert "cannot hold trainer.num_workers=64 ranks" in line and "62 more rank(s)" in line and "lower trainer.num_workers" in line, line
+        assert "cannot hold distributed.num_workers=64 ranks" in line and "62 more rank(s)" in line and "lower distributed.num_workers" in line, line
         assert not out.exists()
     finally:
         ray.shutdown()

@@ -131,7 +131,7 @@ def test_train_with_model_and_reward_by_hub_id_offline(hub_home, tiny_pickscore_
     build_adapter("sd3").save_pretrained(cached_repo(hub_home, "tinyorg/sd3-tiny"))
     out = tmp_path / "run"
     short = ["sampler.num_steps=2", "sampler.eval_num_steps=2", "trainer.steps=2", "trainer.prompts_per_step=2", "trainer.group_size=2",
-             "trainer.eval_seeds_per_prompt=1", "trainer.eval_every=0", "trainer.checkpoint_every=0", "trainer.progress=false",
+             "eval.seeds_per_prompt=1", "eval.every=0", "trainer.checkpoint_every=0", "trainer.progress=false",
              "trainer.wandb=disabled", "reward.names=[pickscore]", "reward.weights=[1.0]"]
     assert main(["train", "experiment=sd3_tiny_flow_grpo", "model.path=tinyorg/sd3-tiny", f"trainer.output_dir={out}", *short]) == 0
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -150,8 +150,8 @@ def test_wandb_failures_are_clear_errors(tmp_path, monkeypatch):
 
 
 # -- whole runs --------------------------------------------------------------------------------
-TINY = ["trainer.steps=3", "trainer.prompts_per_step=2", "trainer.group_size=4", "trainer.eval_seeds_per_prompt=2",
-        "trainer.eval_every=2", "trainer.progress=false", "sampler.num_steps=3", "sampler.eval_num_steps=3", "trainer.threads=1"]
+TINY = ["trainer.steps=3", "trainer.prompts_per_step=2", "trainer.group_size=4", "eval.seeds_per_prompt=2",
+        "eval.every=2", "trainer.progress=false", "sampler.num_steps=3", "sampler.eval_num_steps=3", "trainer.threads=1"]
 
 
 def _numbers(records):

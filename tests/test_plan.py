@@ -161,7 +161,7 @@ def test_cli_and_bad_input(capsys, tmp_path):
     assert saved["gpus"] == 2 and saved["gpu"] == "h200" and saved["fits"]
     for argv, words in [
         (["plan", "--gpu", "v100"], "unknown GPU 'v100'"),
-        (["plan", "--gpus", "5"], "cannot be split evenly over trainer.num_workers=5"),
+        (["plan", "--gpus", "5"], "cannot be split evenly over distributed.num_workers=5"),
         (["plan", "model=sd3_tiny", "+model.options.shape=flux_dev"], "has no shape 'flux_dev'"),
         (["plan", "model=sd3_tiny", "model.path=someone/not-a-published-model"], "is not a published shape of family 'sd3'"),
         (["plan", "--mfu", "1.5"], "--mfu must be in (0, 1]"),

@@ -80,13 +80,13 @@ def test_two_nodes_one_rank_each_rendezvous_at_rank0_and_match_the_local_run(tmp
 
     # a cluster too small for the request fails within seconds, naming what is missing, before any work
     start = time.perf_counter()
-    with pytest.raises(RuntimeError, match=r"cannot hold trainer.num_workers=4 .*room for 2 .*2 more rank\(s\) need 2 CPU"):
-        Trainer(compose(_overrides(tmp_path, tmp_path / "too_many", "trainer.backend=ray", "trainer.num_workers=4", f"trainer.ray_address={two_node_cluster}")))
+    with pytest.raises(RuntimeError, match=r"cannot hold distributed.num_workers=4 .*room for 2 .*2 more rank\(s\) need 2 CPU"):
+        Trainer(compose(_overrides(tmp_path, tmp_path / "too_many", "distributed.backend=ray", "distributed.num_workers=4", f"distributed.ray_address={two_node_cluster}")))
     assert time.perf_counter() - start < 60
     assert not ray.is_initialized() and not (tmp_path / "too_many").exists()
 
-    distributed = Trainer(compose(_overrides(tmp_path, tmp_path / "ray", "trainer.backend=ray", "trainer.num_workers=2",
-                                             f"trainer.ray_address={two_node_cluster}", "trainer.ray_call_timeout_s=600")))
+    distributed = Trainer(compose(_overrides(tmp_path, tmp_path / "ray", "distributed.backend=ray", "distributed.num_workers=2",
+                                             f"distributed.ray_address={two_node_cluster}", "distributed.ray_call_timeout_s=600")))
     try:
         executor = distributed.workers.executor
         assert executor.rank_nodes == [HEAD, WORKER]  # one rank on each node, the driver's node first

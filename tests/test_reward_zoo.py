@@ -238,7 +238,7 @@ def test_missing_weights_say_where_to_put_them(name, tmp_path):
 # the run uses the tiny SD1.5 family (byte-level CLIP tokenizer: any prompt) with DDIM rollouts.
 OCR_RUN = ["experiment=digits_flow_grpo", "model=sd15_tiny", "reward=ocr", "reward.gold=null", "sampler.kind=ddim",
            "sampler.height=32", "sampler.width=32", "sampler.num_steps=3", "sampler.eval_num_steps=3", "trainer.steps=2",
-           "trainer.prompts_per_step=2", "trainer.group_size=2", "trainer.eval_seeds_per_prompt=1", "trainer.eval_every=2",
+           "trainer.prompts_per_step=2", "trainer.group_size=2", "eval.seeds_per_prompt=1", "eval.every=2",
            "trainer.progress=false"]
 
 

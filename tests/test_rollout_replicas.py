@@ -1,7 +1,7 @@
 """Rollout replicas (issue 19): a replica as its own Ray actor beside the actor, real weight sync over gloo,
 bounded staleness with the truncated importance-sampling correction.
 
-- 1 replica + 1 actor at ``trainer.max_staleness=0`` reproduces the synchronous (local) run's numbers exactly;
+- 1 replica + 1 actor at ``distributed.max_staleness=0`` reproduces the synchronous (local) run's numbers exactly;
 - every sync leaves the replica's LoRA bit-identical to the actor's (SHA-256 on both ends, logged), and the
   last one equals the synchronous run's final LoRA; with full fine-tuning the whole denoiser moves, same checks;
 - ``max_staleness=1``: step 1 is on-policy (equal to the synchronous run), later steps train on trajectories one
@@ -36,7 +36,7 @@ def _overrides(tmp_path: Path, out: Path, *extra: str) -> list[str]:
     prompts.write_text("\n".join(PROMPTS) + "\n")
     return [
         "sampler.num_steps=3", "sampler.eval_num_steps=2", "trainer.steps=3", "trainer.prompts_per_step=2", "trainer.group_size=4",
-        "trainer.eval_seeds_per_prompt=2", "trainer.eval_every=100", "trainer.checkpoint_every=100", "trainer.threads=1",
+        "eval.seeds_per_prompt=2", "eval.every=100", "trainer.checkpoint_every=100", "trainer.threads=1",
         "trainer.wandb=disabled", f"trainer.output_dir={out}", "trainer.progress=false", f"trainer.prompts={prompts}", *extra,
     ]
 
@@ -135,29 +135,29 @@ def test_rollout_worker_sleeps_and_wakes_and_tags_its_weights_version(single_thr
 # -- bad values -------------------------------------------------------------------------------------------
 @pytest.fixture
 def no_model(monkeypatch):
-    import diffrl.trainer as trainer_module
+    import diffrl.run_setup as run_setup
 
     def refuse(*args, **kwargs):
         raise AssertionError("a model was built for an invalid config")
 
-    monkeypatch.setattr(trainer_module, "build_worker_group", refuse)
+    monkeypatch.setattr(run_setup, "build_worker_group", refuse)
 
 
 BAD = [
-    ("trainer.rollout_replicas=-1", "trainer.rollout_replicas=-1 is invalid"),
-    ("trainer.max_staleness=1.5", "trainer.max_staleness=1.5 has the wrong type: it must be an integer"),
-    ("trainer.max_staleness=-2", "trainer.max_staleness=-2 is invalid: it must be an integer ≥ 0 (0: synchronous)"),
-    ("trainer.weight_sync_bucket_mb=0", "trainer.weight_sync_bucket_mb=0.0 is invalid: it must be a number > 0"),
-    ("trainer.weight_sync_backend=mpi", "trainer.weight_sync_backend='mpi' is invalid: it must be one of gloo, nccl"),
-    ("trainer.num_gpus_per_rollout=-1", "trainer.num_gpus_per_rollout=-1.0 is invalid"),
+    ("distributed.rollout_replicas=-1", "distributed.rollout_replicas=-1 is invalid"),
+    ("distributed.max_staleness=1.5", "distributed.max_staleness=1.5 has the wrong type: it must be an integer"),
+    ("distributed.max_staleness=-2", "distributed.max_staleness=-2 is invalid: it must be an integer ≥ 0 (0: synchronous)"),
+    ("distributed.weight_sync_bucket_mb=0", "distributed.weight_sync_bucket_mb=0.0 is invalid: it must be a number > 0"),
+    ("distributed.weight_sync_backend=mpi", "distributed.weight_sync_backend='mpi' is invalid: it must be one of gloo, nccl"),
+    ("distributed.num_gpus_per_rollout=-1", "distributed.num_gpus_per_rollout=-1.0 is invalid"),
     ("algorithm.rollout_is_cap=0.5", "algorithm.rollout_is_cap=0.5 is invalid"),
-    ("trainer.rollout_replicas=1", "trainer.rollout_replicas=1 needs trainer.backend=ray"),
-    ("trainer.max_staleness=1", "trainer.max_staleness=1 needs rollout replicas"),
-    ("trainer.backend=ray trainer.rollout_replicas=3", "trainer.rollout_replicas=3 must divide the 8 rollouts of a request"),
-    ("trainer.backend=ray trainer.rollout_replicas=1 trainer.max_staleness=1 reward.async_chunks=2", "reward.async_chunks=2 with trainer.max_staleness=1"),
-    ("trainer.backend=ray trainer.rollout_replicas=1 trainer.max_staleness=2 experiment=digits_grpo_guard", "trainer.max_staleness=2 needs a loss"),
-    ("trainer.backend=ray trainer.rollout_replicas=1 trainer.max_staleness=1 experiment=digits_nft", "trainer.max_staleness=1 needs a loss"),
-    ("trainer.backend=ray trainer.rollout_replicas=1 experiment=digits_nft model.lora.rank=0", "trainer.rollout_replicas=1 with full fine-tuning"),
+    ("distributed.rollout_replicas=1", "distributed.rollout_replicas=1 needs distributed.backend=ray"),
+    ("distributed.max_staleness=1", "distributed.max_staleness=1 needs rollout replicas"),
+    ("distributed.backend=ray distributed.rollout_replicas=3", "distributed.rollout_replicas=3 must divide the 8 rollouts of a request"),
+    ("distributed.backend=ray distributed.rollout_replicas=1 distributed.max_staleness=1 reward.async_chunks=2", "reward.async_chunks=2 with distributed.max_staleness=1"),
+    ("distributed.backend=ray distributed.rollout_replicas=1 distributed.max_staleness=2 experiment=digits_grpo_guard", "distributed.max_staleness=2 needs a loss"),
+    ("distributed.backend=ray distributed.rollout_replicas=1 distributed.max_staleness=1 experiment=digits_nft", "distributed.max_staleness=1 needs a loss"),
+    ("distributed.backend=ray distributed.rollout_replicas=1 experiment=digits_nft model.lora.rank=0", "distributed.rollout_replicas=1 with full fine-tuning"),
 ]
 
 
@@ -193,8 +193,8 @@ def ray_cluster():
 
 def _replica_run(tmp_path, staleness: int, *extra: str) -> list[dict]:
     out = tmp_path / f"k{staleness}"
-    trainer = Trainer(compose(_overrides(tmp_path, out, "trainer.backend=ray", "trainer.rollout_replicas=1", f"trainer.max_staleness={staleness}",
-                                         "trainer.weight_sync_bucket_mb=0.01", *extra)))  # 10 KiB: the LoRA (124 KiB) moves in several buckets
+    trainer = Trainer(compose(_overrides(tmp_path, out, "distributed.backend=ray", "distributed.rollout_replicas=1", f"distributed.max_staleness={staleness}",
+                                         "distributed.weight_sync_bucket_mb=0.01", *extra)))  # 10 KiB: the LoRA (124 KiB) moves in several buckets
     try:
         trainer.fit()
     finally:

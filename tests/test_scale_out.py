@@ -29,7 +29,7 @@ def _overrides(tmp_path, out, *extra):
     prompts.write_text("\n".join(PROMPTS) + "\n")
     return [
         "sampler.num_steps=3", "sampler.eval_num_steps=2", "trainer.steps=2", "trainer.prompts_per_step=2", "trainer.group_size=4",
-        "trainer.eval_seeds_per_prompt=2", "trainer.eval_every=100", "trainer.checkpoint_every=100", "trainer.threads=1",
+        "eval.seeds_per_prompt=2", "eval.every=100", "trainer.checkpoint_every=100", "trainer.threads=1",
         f"trainer.output_dir={out}", "trainer.progress=false", f"trainer.prompts={prompts}", *extra,
     ]
 
@@ -55,15 +55,15 @@ def test_arrangement_gives_each_rank_its_slice_of_every_mini_batch():
 
 
 def test_bad_split_fails_before_any_work_with_valid_sizes(tmp_path):
-    cfg = compose(_overrides(tmp_path, tmp_path / "r", "trainer.backend=ray", "trainer.num_workers=3"))
-    with pytest.raises(ValueError, match=r"trainer.num_workers=3.*valid mini_batch_size values: \[\]"):
+    cfg = compose(_overrides(tmp_path, tmp_path / "r", "distributed.backend=ray", "distributed.num_workers=3"))
+    with pytest.raises(ValueError, match=r"distributed.num_workers=3.*valid mini_batch_size values: \[\]"):
         Trainer(cfg)
     assert not (tmp_path / "r").exists()
-    cfg = compose(_overrides(tmp_path, tmp_path / "r", "trainer.backend=ray", "trainer.num_workers=2", "algorithm.mini_batch_size=3"))
+    cfg = compose(_overrides(tmp_path, tmp_path / "r", "distributed.backend=ray", "distributed.num_workers=2", "algorithm.mini_batch_size=3"))
     with pytest.raises(ValueError, match=r"valid sizes: \[1, 2, 4, 8\]"):
         Trainer(cfg)
-    with pytest.raises(ValueError, match="trainer.backend=ray"):
-        Trainer(compose(_overrides(tmp_path, tmp_path / "r", "trainer.num_workers=2")))
+    with pytest.raises(ValueError, match="distributed.backend=ray"):
+        Trainer(compose(_overrides(tmp_path, tmp_path / "r", "distributed.num_workers=2")))
 
 
 @pytest.mark.parametrize("extra", [(), ("algorithm.mini_batch_size=4", "algorithm.kl_beta=0.05"),
@@ -78,7 +78,7 @@ def test_ray_two_workers_fsdp2_match_the_local_worker(tmp_path, extra):
     expected = local.workers.trainable_state()
     ray.init(num_cpus=2, include_dashboard=False, object_store_memory=150 * 1024 * 1024, log_to_driver=False)
     try:
-        distributed = Trainer(compose(_overrides(tmp_path, tmp_path / "ray", "trainer.backend=ray", "trainer.num_workers=2", *extra)))
+        distributed = Trainer(compose(_overrides(tmp_path, tmp_path / "ray", "distributed.backend=ray", "distributed.num_workers=2", *extra)))
         distributed.fit()
         got = distributed.workers.trainable_state()
         distributed.close()
@@ -109,8 +109,8 @@ def _cli(tmp_path, out, steps, *extra):
     prompts.write_text("\n".join(PROMPTS) + "\n")
     return [
         sys.executable, "-m", "diffrl.tools.cli", "train", "experiment=digits_nft", "sampler.num_steps=3", "sampler.eval_num_steps=2",
-        f"trainer.steps={steps}", "trainer.prompts_per_step=2", "trainer.group_size=2", "trainer.eval_seeds_per_prompt=1",
-        "trainer.eval_every=100", "trainer.checkpoint_every=1", "trainer.threads=1", "algorithm.nft_num_timesteps=2",
+        f"trainer.steps={steps}", "trainer.prompts_per_step=2", "trainer.group_size=2", "eval.seeds_per_prompt=1",
+        "eval.every=100", "trainer.checkpoint_every=1", "trainer.threads=1", "algorithm.nft_num_timesteps=2",
         "algorithm.old_schedule=constant", "algorithm.old_decay_max=0.5", "algorithm.mini_batch_size=2",
         "algorithm.lr_schedule=cosine", "algorithm.warmup_steps=2",
         f"trainer.output_dir={out}", "trainer.progress=false", f"trainer.prompts={prompts}", *extra,

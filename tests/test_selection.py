@@ -1,4 +1,4 @@
-"""trainer.select_by and trainer.stop_when_diverging: the hacking signature on constructed histories (closed forms),
+"""eval.select_by and eval.stop_when_diverging: the hacking signature on constructed histories (closed forms),
 the best checkpoint kept and named, the stop at the right step through the trainer, and the one-line config errors."""
 
 from __future__ import annotations
@@ -64,14 +64,14 @@ def _run(tmp_path, *extra):
     prompts.write_text("a red seven\na blue two\n")
     return [
         "sampler.num_steps=2", "sampler.eval_num_steps=2", "trainer.steps=10", "trainer.prompts_per_step=2", "trainer.group_size=2",
-        "trainer.eval_seeds_per_prompt=1", "trainer.eval_every=2", "trainer.checkpoint_every=0", "trainer.progress=false",
+        "eval.seeds_per_prompt=1", "eval.every=2", "trainer.checkpoint_every=0", "trainer.progress=false",
         "trainer.wandb=disabled", f"trainer.prompts={prompts}", f"trainer.output_dir={tmp_path / 'run'}", "reward.names=[test_rising_reward]",
-        "reward.weights=[1.0]", "reward.judges=[test_peaking_judge]", "trainer.select_by=test_peaking_judge", *extra,
+        "reward.weights=[1.0]", "reward.judges=[test_peaking_judge]", "eval.select_by=test_peaking_judge", *extra,
     ]
 
 
 def test_the_run_stops_at_the_signature_and_names_the_best_checkpoint(tmp_path, single_thread):
-    summary = Trainer(compose(_run(tmp_path, "trainer.stop_when_diverging=2"))).fit()
+    summary = Trainer(compose(_run(tmp_path, "eval.stop_when_diverging=2"))).fit()
     run = tmp_path / "run"
     # evaluations at 0, 2, 4, 6: the reward rose 0 → 0.6 while the judge peaked at step 2 and fell twice
     assert summary["steps"] == 6 and summary["stopped_early"]["step"] == 6 and summary["stopped_early"]["best_step"] == 2
@@ -84,17 +84,17 @@ def test_the_run_stops_at_the_signature_and_names_the_best_checkpoint(tmp_path, 
 
 def test_a_healthy_run_selects_its_best_and_runs_to_the_end(tmp_path, single_thread):
     # a judge that only falls from step 2 on, selected as lower-is-better, is a judge that keeps improving: no stop
-    summary = Trainer(compose(_run(tmp_path, "trainer.steps=6", "trainer.stop_when_diverging=2", "trainer.select_by=-test_peaking_judge"))).fit()
+    summary = Trainer(compose(_run(tmp_path, "trainer.steps=6", "eval.stop_when_diverging=2", "eval.select_by=-test_peaking_judge"))).fit()
     assert "stopped_early" not in summary and summary["steps"] == 6
     assert summary["selected"]["step"] == 6 and summary["selected"]["value"] == pytest.approx(0.5)
 
 
 def test_bad_selection_settings_are_one_line_errors():
     base = ["reward.judges=[digits_gold2]"]
-    with pytest.raises(ConfigError, match=r"trainer.stop_when_diverging=2 needs trainer.select_by"):
-        validate(compose([*base, "trainer.stop_when_diverging=2"]))
-    with pytest.raises(ConfigError, match=r"trainer.select_by=nope names no evaluation metric: use a held-out judge \(digits_gold, digits_gold2\)"):
-        validate(compose([*base, "trainer.select_by=nope"]))
+    with pytest.raises(ConfigError, match=r"eval.stop_when_diverging=2 needs eval.select_by"):
+        validate(compose([*base, "eval.stop_when_diverging=2"]))
+    with pytest.raises(ConfigError, match=r"eval.select_by=nope names no evaluation metric: use a held-out judge \(digits_gold, digits_gold2\)"):
+        validate(compose([*base, "eval.select_by=nope"]))
     with pytest.raises(ConfigError, match=r"which is the reward itself"):
-        validate(compose([*base, "trainer.select_by=digits", "trainer.stop_when_diverging=2"]))
-    assert validate(compose([*base, "trainer.select_by=digits_gold2", "trainer.stop_when_diverging=2"])).trainer.select_by == "digits_gold2"
+        validate(compose([*base, "eval.select_by=digits", "eval.stop_when_diverging=2"]))
+    assert validate(compose([*base, "eval.select_by=digits_gold2", "eval.stop_when_diverging=2"])).eval.select_by == "digits_gold2"

@@ -174,7 +174,7 @@ def test_every_kind_and_window_trains_from_the_command_line(overrides, tmp_path)
 
     out = tmp_path / "run"
     args = ["train", *overrides, "sampler.num_steps=4", "sampler.eval_num_steps=2", "trainer.steps=2", "trainer.prompts_per_step=2",
-            "trainer.group_size=2", "trainer.eval_seeds_per_prompt=1", "trainer.max_grid_images=4", f"trainer.output_dir={out}",
+            "trainer.group_size=2", "eval.seeds_per_prompt=1", "eval.max_grid_images=4", f"trainer.output_dir={out}",
             "trainer.progress=false", "trainer.prompts=" + str(_prompt_file(tmp_path))]
     assert main(args) == 0
     import json

@@ -40,7 +40,7 @@ RECIPES = {
 def command(recipe: str, out: Path, *extra: str) -> list[str]:
     return [
         sys.executable, "-m", "diffrl.tools.cli", "train", f"experiment={recipe}", *RECIPES[recipe], "sampler.num_steps=4", "sampler.eval_num_steps=2",
-        f"trainer.steps={STEPS}", "trainer.prompts_per_step=2", "trainer.group_size=4", "trainer.eval_seeds_per_prompt=1", "trainer.eval_every=3",
+        f"trainer.steps={STEPS}", "trainer.prompts_per_step=2", "trainer.group_size=4", "eval.seeds_per_prompt=1", "eval.every=3",
         "trainer.checkpoint_every=1", "trainer.threads=1", "trainer.wandb=disabled", "trainer.progress=false", "algorithm.mini_batch_size=4",
         f"trainer.output_dir={out}", *extra,
     ]

@@ -7,7 +7,7 @@ Fréchet distance to real digits.
 
 For every source (a run folder: its newest checkpoint, or ``--step``; or a checkpoint folder) the script
 rebuilds the run's model, draws ``--seeds`` (8) fresh seeds of every prompt of the run's prompt set (stream
-``EVAL`` of base seed ``--seed``, not the run's ``trainer.eval_seed``) with the run's deterministic
+``EVAL`` of base seed ``--seed``, not the run's ``eval.seed``) with the run's deterministic
 evaluation sampler, once with the base model (LoRA disabled) and once with the trained one, and scores:
 
 - the run's rewards, its gold judge and ``--judges`` (default ``digits_gold2``); the judges "disagree" when
@@ -55,7 +55,7 @@ from diffrl.tools.commands import (
     load_config,
     newest_checkpoint,
 )
-from diffrl.trainer import worker_config
+from diffrl.run_setup import worker_config
 from rewards.digits.data import load_digit_intensities, parse_prompt
 from rewards.digits.judge2 import judge2_split, render
 
@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step", type=int, default=None, help="the checkpoint step of every run folder (default: the newest)")
     parser.add_argument("--recipe", nargs="*", default=[], help="overrides composing the config of a checkpoint outside a run folder (experiment=…)")
     parser.add_argument("--seeds", type=int, default=8, help="fresh seeds per prompt")
-    parser.add_argument("--seed", type=int, default=4321, help="base seed of the fresh seeds (the trainer's evaluations use trainer.eval_seed=1234)")
+    parser.add_argument("--seed", type=int, default=4321, help="base seed of the fresh seeds (the trainer's evaluations use eval.seed=1234)")
     parser.add_argument("--judges", nargs="*", default=["digits_gold2"], help="judges beside the run's reward.gold (reward names)")
     parser.add_argument("--feature-space", default="digits_gold2", help="reward providing the feature space; none: pixel diversity only")
     parser.add_argument("--no-real", action="store_true", help="skip the real-digits floor")

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-SHORT = ["trainer.steps=4", "trainer.eval_every=2", "trainer.checkpoint_every=2", "trainer.eval_seeds_per_prompt=1",
+SHORT = ["trainer.steps=4", "eval.every=2", "trainer.checkpoint_every=2", "eval.seeds_per_prompt=1",
          "trainer.wandb=disabled", "trainer.progress=false", "trainer.threads=2"]
 
 CASES: dict[str, list[str]] = {

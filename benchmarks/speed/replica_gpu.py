@@ -9,8 +9,8 @@ Three sections, each in fresh processes (so that every peak-memory number is its
   weights it holds, hands the trajectories over (host memory), the actor trains, and the LoRA goes back
   through ``diffrl.distributed.weight_sync`` (bucketed broadcasts of a gloo group: NCCL refuses two ranks on
   one GPU, so the buckets travel through host memory) before the next batch — synchronous, as
-  ``trainer.max_staleness=0``;
-* **split k=1**: the same with the replica one batch ahead (``trainer.max_staleness=1``): it samples batch
+  ``distributed.max_staleness=0``;
+* **split k=1**: the same with the replica one batch ahead (``distributed.max_staleness=1``): it samples batch
   ``i + 1`` while the actor trains on batch ``i``; the loss takes the truncated importance weights of the
   one-step-old trajectories (one optimizer step per batch: the training forward is the proximal policy).
 

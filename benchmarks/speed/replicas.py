@@ -1,12 +1,12 @@
 """Rollout replicas on the CPU: the digits recipe with 1 rollout replica + 1 actor (Ray, gloo) at
-``trainer.max_staleness`` = 0, 1, 2, against the colocated synchronous loop.
+``distributed.max_staleness`` = 0, 1, 2, against the colocated synchronous loop.
 
     PYTHONPATH=. python benchmarks/speed/replicas.py                     # runs in outputs/replicas, tables in benchmarks/results
     PYTHONPATH=. python benchmarks/speed/replicas.py --staleness 0 1 --no-colocated --set trainer.steps=40
 
 Each run is ``diffrl train experiment=digits_flow_grpo`` in its own process (the recipe's 120 steps; gold
 accuracy evaluated every ``--eval-every`` steps on the recipe's held-out seeds). The replica runs are
-``trainer.backend=ray trainer.rollout_replicas=1`` with one torch thread per process (the actor and the
+``distributed.backend=ray distributed.rollout_replicas=1`` with one torch thread per process (the actor and the
 replica each get one of the machine's cores); the colocated run is today's loop in one process with
 ``--threads`` threads. The run folders go to ``--runs``; ``replicas_cpu.json`` (every evaluation and the
 per-step timings) and ``replicas_cpu.md`` (gold vs steps and vs wall time, seconds per step, weight-sync
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results", help="folder of replicas_cpu.json and .md")
     parser.add_argument("--runs", type=Path, default=ROOT / "outputs/replicas", help="folder of the run folders and logs")
-    parser.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 2], help="trainer.max_staleness values of the replica runs")
+    parser.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 2], help="distributed.max_staleness values of the replica runs")
     parser.add_argument("--no-colocated", action="store_true", help="skip the colocated synchronous run")
     parser.add_argument("--threads", type=int, default=2, help="torch threads of the colocated run (the replica runs use 1 per process)")
     parser.add_argument("--eval-every", type=int, default=30)
@@ -115,9 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     args.runs.mkdir(parents=True, exist_ok=True)
-    common = [f"trainer.eval_every={args.eval_every}", *args.set]
+    common = [f"eval.every={args.eval_every}", *args.set]
     plan = [] if args.no_colocated else [("colocated (synchronous, local)", "colocated", [*common], args.threads)]
-    plan += [(f"1 replica + 1 actor, k={k}", f"replica_k{k}", [*common, "trainer.backend=ray", "trainer.rollout_replicas=1", f"trainer.max_staleness={k}"], 1)
+    plan += [(f"1 replica + 1 actor, k={k}", f"replica_k{k}", [*common, "distributed.backend=ray", "distributed.rollout_replicas=1", f"distributed.max_staleness={k}"], 1)
              for k in args.staleness]
     runs = []
     for name, folder, overrides, threads in plan:

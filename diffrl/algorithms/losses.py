@@ -435,7 +435,7 @@ def make_step_loss(name: str, **hyper):
     ``grpo_guard`` also the rollout step means ``batch["means"][:, k]`` (``[B, K, …]``, the ``mean`` of each
     rollout step). ``fn.needs_reference`` is true when ``kl_beta > 0``.
 
-    Off-policy rollouts (``trainer.max_staleness > 0``): when the batch holds ``prox_log_probs [B, K]`` (the
+    Off-policy rollouts (``distributed.max_staleness > 0``): when the batch holds ``prox_log_probs [B, K]`` (the
     actor's log-probs of the stale trajectories at the start of the update), the ratio is taken against them
     and each sample is weighted by ``truncated_is_weight(prox, behaviour, rollout_is_cap)``. When it holds
     ``proximal_is_current [B]`` instead (an update of one optimizer step: every forward runs at the weights the
@@ -455,7 +455,7 @@ def make_step_loss(name: str, **hyper):
             extra["dt"] = batch["sigmas"][:, k] - batch["sigmas"][:, k + 1]
         if "prox_log_probs" in keys or "proximal_is_current" in keys:
             if name == "grpo_guard":
-                raise ValueError("grpo_guard cannot train off-policy rollouts (its RatioNorm needs the proximal step means); use trainer.max_staleness=0")
+                raise ValueError("grpo_guard cannot train off-policy rollouts (its RatioNorm needs the proximal step means); use distributed.max_staleness=0")
             prox = batch["prox_log_probs"][:, k] if "prox_log_probs" in keys else step["log_prob"].detach()
             behaviour = batch["log_probs"][:, k]
             weight = truncated_is_weight(prox, behaviour, rollout_is_cap).to(step["log_prob"].device)

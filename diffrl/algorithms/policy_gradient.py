@@ -48,7 +48,7 @@ class PolicyGradientConfig(AlgorithmConfig):
     adv_tracker_min_count: int = 16
     """stat tracker: rewards of a prompt needed before its own statistics are used"""
     rollout_is_cap: float = 2.0
-    """off-policy rollouts (trainer.max_staleness > 0): cap C of the truncated importance weight min(π_prox/μ, C) of each stale sample"""
+    """off-policy rollouts (distributed.max_staleness > 0): cap C of the truncated importance weight min(π_prox/μ, C) of each stale sample"""
 
 
 class RewardAdvantages:
@@ -120,7 +120,7 @@ class PolicyGradient(Algorithm):
             check_group_size(self.run.group_size, f"algorithm={self.config.name}",
                              alternative="algorithm.adv_stat_tracker=true (DDPO's per-prompt statistics across steps)")
         if num_workers > 1 and self.config.adv_drop_zero_std:
-            raise ValueError("algorithm.adv_drop_zero_std leaves an uneven number of rows; with trainer.num_workers > 1 set it to false")
+            raise ValueError("algorithm.adv_drop_zero_std leaves an uneven number of rows; with distributed.num_workers > 1 set it to false")
 
     def rollout_plan(self, masks: WindowMasks) -> RolloutPlan:
         return RolloutPlan("current", masks.trained, masks.stochastic, record_means=self.config.loss == "grpo_guard")

@@ -12,8 +12,8 @@ def build_worker_group(worker_cls: type, config, *, backend: str = "local", num_
     """A :class:`WorkerGroup` of ``worker_cls`` for ``backend`` ``local`` (1 worker, this process) or ``ray``."""
     if backend == "local":
         if num_workers != 1:
-            raise ValueError(f"trainer.backend=local runs one worker in this process; for trainer.num_workers={num_workers} use trainer.backend=ray")
+            raise ValueError(f"distributed.backend=local runs one worker in this process; for distributed.num_workers={num_workers} use distributed.backend=ray")
         return WorkerGroup(worker_cls, LocalExecutor(worker_cls, config, role))
     if backend == "ray":
         return WorkerGroup(worker_cls, RayExecutor(worker_cls, config, num_workers=num_workers, role=role, **ray_options))
-    raise ValueError(f"unknown trainer.backend {backend!r}; choose local or ray")
+    raise ValueError(f"unknown distributed.backend {backend!r}; choose local or ray")

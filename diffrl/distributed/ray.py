@@ -60,13 +60,13 @@ class RankWorker:
 
 
 class ClusterCapacityError(ValueError, RuntimeError):
-    """The Ray cluster cannot hold the ranks asked for (``trainer.num_workers`` × the resources of each): bad input,
+    """The Ray cluster cannot hold the ranks asked for (``distributed.num_workers`` × the resources of each): bad input,
     found before any work, so the CLI prints it as one line with exit status 2 (a ``ValueError``; also a
     ``RuntimeError``, as it was before it had its own class)."""
 
 
 def _node_plan(nodes: list[dict], num_workers: int, cpus: float, gpus: float, driver_ip: str,
-               keys: tuple[str, str] = ("trainer.num_workers", "trainer.num_cpus_per_worker")) -> list[tuple[str, int]]:
+               keys: tuple[str, str] = ("distributed.num_workers", "distributed.num_cpus_per_worker")) -> list[tuple[str, int]]:
     """``[(node ip, ranks)]``: ranks packed node by node (the driver's node first, then by address).
 
     Raises:
@@ -116,7 +116,7 @@ class RayExecutor(Executor):
     def __init__(self, worker_cls: type, config, *, num_workers: int, role: str = "actor_rollout_ref", num_cpus_per_worker: float = 1,
                  num_gpus_per_worker: float = 0, threads: int | None = None, backend: str | None = None, address: str | None = None,
                  rendezvous_timeout_s: float = 300.0, call_timeout_s: float | None = None, ray_init: dict | None = None,
-                 process_group: bool = True, keys: tuple[str, str] = ("trainer.num_workers", "trainer.num_cpus_per_worker")):
+                 process_group: bool = True, keys: tuple[str, str] = ("distributed.num_workers", "distributed.num_cpus_per_worker")):
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -140,7 +140,7 @@ class RayExecutor(Executor):
                 ready, _ = ray.wait([pg.ready()], timeout=rendezvous_timeout_s)
                 if not ready:
                     raise TimeoutError(f"Ray could not reserve {count} × {bundle} on node {ip} within {rendezvous_timeout_s:g} s "
-                                       "(busy with other work?); raise trainer.ray_rendezvous_timeout_s or free the node")
+                                       "(busy with other work?); raise distributed.ray_rendezvous_timeout_s or free the node")
                 for index in range(count):
                     strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index)
                     options = {"num_cpus": num_cpus_per_worker, "num_gpus": num_gpus_per_worker, "scheduling_strategy": strategy}

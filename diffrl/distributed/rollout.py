@@ -5,7 +5,7 @@ adapters, which the sync overwrites), samples the requests the driver sends it a
 whose ``log_probs`` are the behaviour policy's and whose ``weights_version [B]`` names the actor update that
 produced its weights. :class:`RolloutReplicas` is the driver's side: it builds the replicas, splits each
 request over them (contiguous equal chunks, as ``Dispatch.DP_COMPUTE``), lets requests run ahead of the
-training (bounded staleness, ``trainer.max_staleness``), and pushes the actor's weights to every replica
+training (bounded staleness, ``distributed.max_staleness``), and pushes the actor's weights to every replica
 (``diffrl.distributed.weight_sync``: bucketed broadcasts, verified by hash).
 
 :class:`RolloutEngine` is the contract an external engine would implement (docs/scaling.md, "Rollout
@@ -159,14 +159,14 @@ class RolloutReplicas:
                  num_cpus: float = 1.0, num_gpus: float = 0.0, threads: int | None = None, rendezvous_timeout_s: float = 300.0,
                  call_timeout_s: float | None = None):
         if not isinstance(actors.executor, RayExecutor):
-            raise TypeError("trainer.rollout_replicas > 0 needs the actors on Ray (trainer.backend=ray)")
+            raise TypeError("distributed.rollout_replicas > 0 needs the actors on Ray (distributed.backend=ray)")
         self.actors = actors
         self.bucket_bytes = int(bucket_bytes)
         self.backend = backend or ("nccl" if torch.device(config.model.device).type == "cuda" else "gloo")
         self.executor = RayExecutor(
             RolloutWorker, config, num_workers=replicas, role="rollout", num_cpus_per_worker=num_cpus, num_gpus_per_worker=num_gpus,
             threads=threads, rendezvous_timeout_s=rendezvous_timeout_s, call_timeout_s=call_timeout_s, process_group=False,
-            keys=("trainer.rollout_replicas", "trainer.num_cpus_per_rollout"),
+            keys=("distributed.rollout_replicas", "distributed.num_cpus_per_rollout"),
         )
         self.group = WorkerGroup(RolloutWorker, self.executor)
         self.replicas = replicas

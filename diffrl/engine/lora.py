@@ -1,5 +1,5 @@
 """LoRA policy states on one denoiser: ``"default"`` (trained), ``"old"`` (copy/EMA), ``"ema"`` (the evaluated EMA,
-``trainer.ema``), reference = disabled.
+``eval.ema``), reference = disabled.
 
 The reference policy is the same module with every adapter disabled, so no second copy of the model
 exists. ``copy_adapter`` and ``ema_update_adapter`` keep a second adapter (DiffusionNFT's old policy).
@@ -177,7 +177,7 @@ class FusedWeights:
                     continue
                 weight = layer.get_base_layer().weight
                 if type(weight.data) is not torch.Tensor:
-                    raise ValueError("model.fuse_lora_rollout needs whole weights; it cannot fuse sharded (FSDP2) parameters, turn it off with trainer.num_workers > 1")
+                    raise ValueError("model.fuse_lora_rollout needs whole weights; it cannot fuse sharded (FSDP2) parameters, turn it off with distributed.num_workers > 1")
                 buf = self.buffers.get(id(layer))
                 if buf is None:
                     buf = self.buffers[id(layer)] = torch.empty_like(weight.data)

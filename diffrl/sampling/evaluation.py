@@ -105,7 +105,7 @@ def paired_change(before_rows: list[dict], after_rows: list[dict], metrics: list
     if a.keys() != b.keys():
         raise ValueError(
             f"paired_change: the evaluations cover different (prompt, seed) pairs ({len(a)} vs {len(b)} rows); "
-            "compare evaluations made with the same trainer.eval_seed and eval_seeds_per_prompt"
+            "compare evaluations made with the same eval.seed and eval_seeds_per_prompt"
         )
     out = {}
     for name in metrics:

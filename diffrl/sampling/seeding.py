@@ -18,7 +18,7 @@ stream                    keys                            draws
                                                           first draw is the initial noise)
 ``INITIAL_NOISE``         step, prompt position           shared initial noise of a prompt group
 ``EVAL``                  prompt index, sample            held-out evaluation sample (``seed`` =
-                                                          ``trainer.eval_seed``; disjoint from training)
+                                                          ``eval.seed``; disjoint from training)
 ``WINDOW``                step                            the training window of an RL step
 ``PROMPT_ORDER``          pass over the prompt set        the permutation of prompts in one pass
 ``MINI_BATCH_SHUFFLE``    step, epoch                     the order of a step's rows in one epoch

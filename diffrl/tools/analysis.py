@@ -36,7 +36,7 @@ from diffrl.logging import grid_cells, image_grid
 from diffrl.sampling.distribution import DISTRIBUTION_KEYS, relative_to_base
 from diffrl.sampling.evaluation import eval_prompts_and_seeds
 from diffrl.sampling.evaluator import Evaluator, local_generate
-from diffrl.trainer import worker_config
+from diffrl.run_setup import worker_config
 from pipelines import build_adapter
 from rewards.base import build_reward
 
@@ -310,14 +310,14 @@ def eval_set(run: Run | str | Path, adapter=None) -> tuple[list[str], list[int]]
     prompt file), else the model family's built-in set (from ``adapter``, else a freshly built one)."""
 
     (run,) = _as_runs(run)
-    t = to_config(run.config).trainer
-    _, prompts, _ = run_prompts(t)
+    cfg = to_config(run.config)
+    _, prompts, _ = run_prompts(cfg)
     if prompts is None:
         if adapter is None:
             m = run.config["model"]
             adapter = build_adapter(m["family"], path=m["path"], revision=m.get("revision"), dtype=m["dtype"], device=m["device"])
-        prompts = eval_subset(adapter.default_prompts(), t)
-    return eval_prompts_and_seeds(prompts, int(t.eval_seeds_per_prompt), int(t.eval_seed))
+        prompts = eval_subset(adapter.default_prompts(), cfg.eval)
+    return eval_prompts_and_seeds(prompts, int(cfg.eval.seeds_per_prompt), int(cfg.eval.seed))
 
 
 def eval_metrics(run: Run | str | Path) -> dict:

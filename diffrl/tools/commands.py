@@ -14,7 +14,7 @@ overrides together (argparse) and not right after ``--prompts``/``--seeds``, whi
 * ``sample``: prompts × ``--seeds`` (each seed is the sample's own ``torch.Generator`` seed), drawn with the
   deterministic evaluation sampler (``--stochastic``: the rollout SDE); writes ``grid.png`` (one row per
   prompt), ``images/NNNN.png`` and ``samples.json`` with every image's rewards, per-prompt and overall means.
-* ``eval``: the trainer's evaluation (``Trainer.evaluate``): prompts × ``trainer.eval_seeds_per_prompt``
+* ``eval``: the trainer's evaluation (``RunEvaluation.evaluate``, diffrl.run_evaluation): prompts × ``eval.seeds_per_prompt``
   held-out seeds (``diffrl.sampling.evaluation.eval_prompts_and_seeds``), the ODE / DDIM(η = 0) sampler with
   ``sampler.eval_num_steps`` steps, ``reward.names`` + ``reward.gold`` averaged by
   ``diffrl.sampling.evaluation.score_images``; writes ``eval.json`` (metrics, per prompt, per image) and ``eval_grid.png``.
@@ -48,7 +48,7 @@ from diffrl.recipes import Config, ConfigError, compose
 from diffrl.sampling.evaluation import eval_prompts_and_seeds
 from diffrl.sampling.evaluator import Evaluator
 from diffrl.resume import RunFolderError
-from diffrl.trainer import worker_config
+from diffrl.run_setup import worker_config
 from pipelines.base import family_class, split_prompts
 from rewards.base import build_reward
 
@@ -65,7 +65,7 @@ def _model_arguments(parser) -> None:
     parser.add_argument("--out", required=True, help="output folder")
     parser.add_argument("--overwrite", action="store_true", help="replace outputs already in --out")
     parser.add_argument("--adapter", choices=["auto", "default", "ema"], default="auto",
-                        help="the checkpoint's LoRA to use: ema (the EMA a run with trainer.ema=true evaluated), default (the trained "
+                        help="the checkpoint's LoRA to use: ema (the EMA a run with eval.ema=true evaluated), default (the trained "
                         "weights); auto: ema when the checkpoint holds one")
 
 
@@ -212,15 +212,15 @@ def resolve_source(args) -> ModelSource:
 
 def chosen_adapter(args, source: ModelSource) -> str:
     """``--adapter`` resolved against the checkpoint: ``ema`` or ``default`` (the base model: ``default``). ``auto`` takes
-    what the run evaluated: ``ema`` when the checkpoint holds one and the run's config has ``trainer.ema`` on (a run
+    what the run evaluated: ``ema`` when the checkpoint holds one and the run's config has ``eval.ema`` on (a run
     that turned it off on resume keeps a stale EMA); without the run's config, ``ema`` whenever the checkpoint holds one."""
     want = getattr(args, "adapter", "auto")
     held = checkpoint_adapters(source.checkpoint) if source.checkpoint is not None else set()
     if want == "ema" and "ema" not in held:
         where = f"checkpoint {source.checkpoint}" if source.checkpoint is not None else "the base model"
-        raise ValueError(f"--adapter ema: {where} holds no 'ema' LoRA (the run was trained without trainer.ema=true); use --adapter default")
+        raise ValueError(f"--adapter ema: {where} holds no 'ema' LoRA (the run was trained without eval.ema=true); use --adapter default")
     if want == "auto":
-        evaluated = bool(source.cfg.trainer.ema) if source.run_config is not None else True
+        evaluated = bool(source.cfg.eval.ema) if source.run_config is not None else True
         return "ema" if "ema" in held and evaluated else "default"
     return want
 
@@ -346,28 +346,28 @@ def run_eval(args) -> int:
 
     out = prepare_out(args.out, ["eval.json", "eval_grid.png"], args.overwrite)
     source = resolve_source(args)
-    cfg, t = source.cfg, source.cfg.trainer
+    cfg, e = source.cfg, source.cfg.eval
     metrics = build_metrics(cfg)
     adapter = chosen_adapter(args, source)
     workers = build_workers(source)
-    _, eval_prompts, table = run_prompts(t)  # the trainer's evaluation prompts (a set's test split, eval_num_prompts)
-    prompts = read_prompts(args, required=False) or eval_prompts or eval_subset(workers.default_prompts(), t)
+    _, eval_prompts, table = run_prompts(cfg)  # the trainer's evaluation prompts (a set's test split, eval.num_prompts)
+    prompts = read_prompts(args, required=False) or eval_prompts or eval_subset(workers.default_prompts(), e)
     if not prompts:
         raise ValueError(f"model family {cfg.model.family!r} has no built-in prompts; give --prompts, --prompt-file or trainer.prompts=<file>")
     prompts = check_edit_prompts(prompts, cfg.model.family, cfg.sampler)
     start = time.perf_counter()
-    all_records, seeds = eval_prompts_and_seeds(prompts, t.eval_seeds_per_prompt, t.eval_seed)
+    all_records, seeds = eval_prompts_and_seeds(prompts, e.seeds_per_prompt, e.seed)
     evaluator = Evaluator(metrics, eval_num_steps=cfg.sampler.eval_num_steps, micro_batch_size=cfg.sampler.micro_batch_size)
     result = evaluator.run(workers.generate_sequences, all_records, seeds, policy="ema" if adapter == "ema" else "current",
                            metadata=sample_metadata(split_prompts(all_records)[0], table))
     images, all_prompts, sources, per_image = result.images, result.prompts, result.sources, result.outputs
     means = {f"eval/{name}": float(values.mean()) for name, values in result.scores.items()}
     cells = images if sources is None else torch.cat([sources, images], dim=-1)  # source | edit
-    first_seed = cells[:: t.eval_seeds_per_prompt][: t.max_grid_images]
+    first_seed = cells[:: e.seeds_per_prompt][: e.max_grid_images]
     out.mkdir(parents=True, exist_ok=True)
     save_grid(first_seed, out / "eval_grid.png", columns=min(10, len(first_seed)), scale=4)
     settings = {"eval_num_steps": cfg.sampler.eval_num_steps, "guidance_scale": cfg.sampler.guidance_scale,
-                "eval_seeds_per_prompt": t.eval_seeds_per_prompt, "eval_seed": t.eval_seed, "prompts": len(prompts)}
+                "eval_seeds_per_prompt": e.seeds_per_prompt, "eval_seed": e.seed, "prompts": len(prompts)}
     record = {
         **_describe(source), "adapter": adapter, "settings": settings, "metrics": means, "gold": cfg.reward.gold, "seconds": time.perf_counter() - start,
         "per_prompt": group_by_prompt(all_prompts, per_image),

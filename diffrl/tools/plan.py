@@ -9,7 +9,7 @@ algorithm (forward, activation checkpointing, backward, the optimizer's step and
 rollout with the optimizer state resident. Nothing is allocated; the live bytes of every phase and the FLOPs
 that ran are counted.
 
-Per rank of ``--gpus N`` (``trainer.num_workers=N`` sharding the batch; with ``model.fsdp`` the parameters,
+Per rank of ``--gpus N`` (``distributed.num_workers=N`` sharding the batch; with ``model.fsdp`` the parameters,
 gradients and optimizer states are FSDP2-sharded ``1/N``, plus two blocks gathered whole for prefetch; with
 ``model.param_offload`` those live on the host):
 
@@ -47,7 +47,8 @@ from diffrl.engine import trace as tracing
 from diffrl.engine.flops import DEVICE_PEAK_FLOPS
 from diffrl.recipes import compose, validate
 from diffrl.recipes import check_sizes
-from diffrl.trainer import build_window, rollout_request, run_context, worker_config
+from diffrl.rollout_driver import build_window, rollout_request
+from diffrl.run_setup import run_context, worker_config
 from pipelines.base import parent_shape_name, published_shape
 
 GiB = 2**30
@@ -98,13 +99,13 @@ def shape_of(family: str, path, shape: str) -> str:
 
 
 def plan_config(overrides: list[str], gpus: int):
-    """The recipe composed and validated like ``diffrl train``, set up for planning: ``trainer.num_workers=N``
+    """The recipe composed and validated like ``diffrl train``, set up for planning: ``distributed.num_workers=N``
     checked against the batch, the model at its published shape on fake CPU tensors."""
     if gpus < 1:
         raise PlanError(f"--gpus must be ≥ 1, got {gpus}")
     cfg = compose(overrides)
     with open_dict(cfg):
-        cfg.trainer.num_workers = gpus
+        cfg.distributed.num_workers = gpus
         family = cfg.model.family
         options = cfg.model.get("options") or {}
         shape = shape_of(family, cfg.model.path, str(options.get("shape", "tiny")))
@@ -114,7 +115,7 @@ def plan_config(overrides: list[str], gpus: int):
         if shape not in ("tiny", "local"):
             cfg.model.options = {**(OmegaConf.to_container(cfg.model.options) if cfg.model.options else {}), "shape": shape}
         cfg.model.device = "cpu"
-        cfg.trainer.backend = "local"
+        cfg.distributed.backend = "local"
     cfg = validate(cfg, hub_cache=False)  # nothing is loaded: the plan needs no cached weights
     try:
         check_sizes(cfg)
@@ -177,7 +178,7 @@ def step_recipe(cfg, gpus: int, phase, memo=lambda adapter: contextlib.nullconte
     run = run_context(cfg)
     algorithm = build_algorithm(cfg.algorithm, run)
     config = worker_config(cfg, algorithm)
-    prompts, _, _ = run_prompts(t)
+    prompts, _, _ = run_prompts(cfg)
     per_rank = t.prompts_per_step * t.group_size // gpus
     with phase("build"):
         group = build_worker_group(ActorRolloutRefWorker, config, backend="local", num_workers=1)
@@ -353,8 +354,8 @@ def candidates(cfg, gpus: int) -> list[tuple[str, list[str], int, tuple]]:
         out.append(("CFG as two forwards (cfg_mode=split)", ["+model.options.cfg_mode=split"], gpus, ()))
     if not options.get("drop_text_encoders", False):
         out.append(("drop the text encoders after caching the prompts", ["+model.options.drop_text_encoders=true"], gpus, ()))
-    if int(t.rollout_replicas):
-        out.append(("rollouts on the actor ranks (no replicas)", ["trainer.rollout_replicas=0", "trainer.max_staleness=0"], gpus, ()))
+    if int(cfg.distributed.rollout_replicas):
+        out.append(("rollouts on the actor ranks (no replicas)", ["distributed.rollout_replicas=0", "distributed.max_staleness=0"], gpus, ()))
     memory = [c for c in out if c[3]]  # every knob of this rank count at its smallest, together
     if len({c[3] for c in memory}) > 1:
         last = {}
@@ -469,7 +470,7 @@ def preflight(overrides: list[str], cfg, *, memory_gib: float | None = None, dev
         props = torch.cuda.get_device_properties(0)
         memory_gib, device_name = props.total_memory / GiB, props.name
     try:
-        r = plan(overrides, gpus=int(cfg.trainer.num_workers), gpu=gpu_kind(device_name or ""), gpu_memory_gb=memory_gib)
+        r = plan(overrides, gpus=int(cfg.distributed.num_workers), gpu=gpu_kind(device_name or ""), gpu_memory_gb=memory_gib)
     except ValueError as exc:
         return f"diffrl: warning: the plan check could not plan this recipe ({exc}); training anyway (trainer.plan_check=false skips the check)"
     if r["fits"]:
@@ -484,7 +485,7 @@ def add_parser(sub) -> dict:
     p = sub.add_parser("plan", help="will a recipe fit on my GPUs, and how long will a step take (CPU only)",
                        description="plan a recipe's memory per GPU and step time without a GPU; overrides as for diffrl train")
     p.add_argument("overrides", nargs="*", help="hydra overrides, e.g. experiment=qwen_image_ocr_lora_flow_grpo")
-    p.add_argument("--gpus", type=int, default=1, help="GPUs (trainer.num_workers; FSDP2 with model.fsdp)")
+    p.add_argument("--gpus", type=int, default=1, help="GPUs (distributed.num_workers; FSDP2 with model.fsdp)")
     p.add_argument("--gpu", default="h100", help=f"GPU kind: {', '.join(sorted(GPUS))}")
     p.add_argument("--gpu-memory-gb", type=float, default=None, help="memory per GPU in GiB (default: the kind's)")
     p.add_argument("--mfu", type=float, default=None, help="MFU to estimate time with (default: the H200 measurement of the model)")

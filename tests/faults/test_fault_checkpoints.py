@@ -33,7 +33,7 @@ def _overrides(tmp_path: Path, out: Path, steps: int, *extra: str) -> list[str]:
     prompts.write_text("\n".join(PROMPTS) + "\n")
     return [
         "sampler.num_steps=3", "sampler.eval_num_steps=2", f"trainer.steps={steps}", "trainer.prompts_per_step=2", "trainer.group_size=2",
-        "trainer.eval_seeds_per_prompt=1", "trainer.eval_every=2", "trainer.checkpoint_every=1", "trainer.threads=1", "trainer.wandb=disabled",
+        "eval.seeds_per_prompt=1", "eval.every=2", "trainer.checkpoint_every=1", "trainer.threads=1", "trainer.wandb=disabled",
         "algorithm.lr_schedule=cosine", "algorithm.warmup_steps=1", f"trainer.output_dir={out}", "trainer.progress=false", f"trainer.prompts={prompts}",
         *extra,
     ]

@@ -11,7 +11,7 @@ from collections import Counter
 
 import pytest
 
-import diffrl.trainer as trainer_module
+import diffrl.run_setup as run_setup
 from diffrl.recipes import ConfigError, checked_keys, compose, to_config, validate
 from diffrl.tools.cli import main
 from diffrl.trainer import Trainer
@@ -42,7 +42,7 @@ def no_model(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a model was built for an invalid config")
 
-    monkeypatch.setattr(trainer_module, "build_worker_group", refuse)
+    monkeypatch.setattr(run_setup, "build_worker_group", refuse)
 
 
 def _set(cfg, key: str, value) -> None:
@@ -77,7 +77,7 @@ def test_every_checked_key_rejects_its_bad_values_before_any_model(base, no_mode
             outcomes["clean error"] += 1
     assert outcomes["clean error"] >= 250, outcomes  # ≥ 60 keys × their bad values, all caught
     # the defaults themselves pass, and the boundary values that mean "never" are valid
-    for key in ("trainer.eval_every", "trainer.checkpoint_every", "sampler.noise_level", "algorithm.kl_beta", "model.lora.rank"):
+    for key in ("eval.every", "trainer.checkpoint_every", "sampler.noise_level", "algorithm.kl_beta", "model.lora.rank"):
         cfg = copy.deepcopy(base)
         _set(cfg, key, 0)
         validate(cfg)
@@ -104,7 +104,7 @@ def test_zero_intervals_mean_only_at_the_ends(tmp_path):
     prompts.write_text("a red seven\na blue two\n")
     Trainer(compose([
         "sampler.num_steps=3", "sampler.eval_num_steps=2", "trainer.steps=3", "trainer.prompts_per_step=2", "trainer.group_size=2",
-        "trainer.eval_seeds_per_prompt=1", "trainer.eval_every=0", "trainer.checkpoint_every=0", "trainer.threads=1", "trainer.wandb=disabled",
+        "eval.seeds_per_prompt=1", "eval.every=0", "trainer.checkpoint_every=0", "trainer.threads=1", "trainer.wandb=disabled",
         f"trainer.output_dir={out}", "trainer.progress=false", f"trainer.prompts={prompts}",
     ])).fit()
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

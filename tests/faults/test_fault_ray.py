@@ -24,8 +24,8 @@ def _overrides(tmp_path, out, *extra):
     prompts.write_text("\n".join(PROMPTS) + "\n")
     return [
         "sampler.num_steps=3", "sampler.eval_num_steps=2", "trainer.steps=3", "trainer.prompts_per_step=2", "trainer.group_size=2",
-        "trainer.eval_seeds_per_prompt=1", "trainer.eval_every=100", "trainer.checkpoint_every=1", "trainer.threads=1", "trainer.wandb=disabled",
-        "trainer.backend=ray", "trainer.num_workers=2", "trainer.ray_call_timeout_s=120", f"trainer.output_dir={out}", "trainer.progress=false",
+        "eval.seeds_per_prompt=1", "eval.every=100", "trainer.checkpoint_every=1", "trainer.threads=1", "trainer.wandb=disabled",
+        "distributed.backend=ray", "distributed.num_workers=2", "distributed.ray_call_timeout_s=120", f"trainer.output_dir={out}", "trainer.progress=false",
         f"trainer.prompts={prompts}", *extra,
     ]
 

@@ -1,0 +1,146 @@
+"""A run's evaluations (``eval.*``): before the first step, every ``eval.every`` steps and after the last, deterministic
+samples of the held-out (prompt, seed) pairs (``diffrl.sampling.evaluator.Evaluator``) scored by the rewards, the gold
+metric, the judges and the fidelity metric; the EMA they evaluate (``eval.ema``); the checkpoint kept and the early stop
+decided by them (``eval.select_by``, ``eval.stop_when_diverging``: :mod:`diffrl.selection`); and ``summary.json``
+(:func:`diffrl.run_report.run_summary`) from the first and last of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from diffrl import checkpoint
+from diffrl.config import eval_metric_names
+from diffrl.data import sample_metadata
+from diffrl.distributed import WorkerGroup
+from diffrl.logging import Progress, RunLogger
+from diffrl.recipes import Config
+from diffrl.resume import checkpoint_path
+from diffrl.run_report import run_summary
+from diffrl.sampling.distribution import build_feature_space
+from diffrl.sampling.evaluation import eval_prompts_and_seeds, read_jsonl
+from diffrl.sampling.evaluator import Evaluator
+from diffrl.selection import Selection
+from pipelines.base import split_prompts
+from rewards.base import build_reward
+
+
+def ema_decay(steps_done: int, decay: float) -> float:
+    """``eval.ema``'s decay after ``steps_done`` RL steps: ``min((1 + s)/(10 + s), decay)`` (flow_grpo's EMA warm-up)."""
+    return min((1.0 + steps_done) / (10.0 + steps_done), float(decay))
+
+
+def eval_line(metrics: dict) -> str:
+    """An evaluation's metrics on one line of the progress output (``eval/`` dropped, wall time left out)."""
+    return ", ".join(f"{k[5:]}={v:.4f}" for k, v in metrics.items() if k != "eval/seconds")
+
+
+class RunEvaluation:
+    """The evaluations of one run.
+
+    Args:
+        cfg: the run's config (``eval.*``, ``reward.*``, ``sampler.*``).
+        rewards: ``name → (reward, weight)`` of the trained rewards; the gold metric, the judges and the fidelity metric
+            are built beside them (``reward.options``), and the feature space of ``reward.feature_space``.
+        prompt_metadata: the prompt set's per-prompt rows (the rewards' metadata).
+
+    ``prompts`` (the held-out prompts) is set by the trainer once they are known (a family's built-in prompts come
+    with its workers).
+    """
+
+    def __init__(self, cfg: Config, rewards: dict, prompt_metadata: dict):
+        self.cfg, self.weights, self.prompt_metadata = cfg, {name: w for name, (_, w) in rewards.items()}, prompt_metadata
+        options = cfg.reward.options
+        self.metrics = {name: fn for name, (fn, _) in rewards.items()}
+        self.gold_name = cfg.reward.gold
+        for name in eval_metric_names(cfg.reward):
+            if name not in self.metrics:
+                self.metrics[name] = build_reward(name, **options.get(name, {}))
+        self.judge_names = [name for name in cfg.reward.judges if name != self.gold_name]
+        space = cfg.reward.feature_space
+        self.feature_space = build_feature_space(space, options.get(space, {})) if space else None
+        self.prompts: list | None = None
+        self.selection: Selection | None = None
+        self.stopped_early: dict | None = None
+
+    def due(self, done: int) -> bool:
+        """Whether an evaluation follows RL step ``done`` (every ``eval.every`` steps, and after the last)."""
+        every = self.cfg.eval.every
+        return bool(every and done % every == 0) or done == self.cfg.trainer.steps
+
+    def evaluate(self, workers: WorkerGroup, logger: RunLogger, step: int) -> dict:
+        """Deterministic samples of the held-out (prompt, seed) pairs, scored by every eval metric; the grid and the
+        per-sample scores go to the run folder (``images/eval_step_<N>``)."""
+        e, s = self.cfg.eval, self.cfg.sampler
+        records, seeds = eval_prompts_and_seeds(self.prompts, e.seeds_per_prompt, e.seed)
+        evaluator = Evaluator(self.metrics, eval_num_steps=s.eval_num_steps, micro_batch_size=s.micro_batch_size, distribution=True,
+                              feature_space=self.feature_space)
+        metadata = sample_metadata(split_prompts(records)[0], self.prompt_metadata, step=step)
+        result = evaluator.run(workers.generate_sequences, records, seeds, policy="ema" if e.ema else "current", metadata=metadata)
+        logger.log_eval_samples(step, result.images, result.prompts, seeds, result.scores, samples_per_prompt=e.seeds_per_prompt,
+                                max_grid_images=e.max_grid_images, source_images=result.sources)
+        return result.metrics
+
+    # -- the EMA (eval.ema) -----------------------------------------------------------------------
+    def start_ema(self, workers: WorkerGroup, resume_path: Path | None, progress: Progress) -> None:
+        """The EMA starts at the initial weights, or continues from a resumed checkpoint's (which may hold none)."""
+        if not self.cfg.eval.ema:
+            return
+        if resume_path is None:
+            workers.copy_adapter("default", "ema")
+        elif "ema" not in checkpoint.checkpoint_adapters(resume_path):
+            workers.copy_adapter("default", "ema")
+            progress.write("eval.ema: the checkpoint holds no EMA (it was trained without eval.ema); the EMA starts from its weights")
+
+    def update_ema(self, workers: WorkerGroup, steps_done: int) -> dict:
+        """Move the EMA towards the trained LoRA every ``eval.ema_every`` steps; the record's ``ema_decay`` when it moved."""
+        e = self.cfg.eval
+        if not (e.ema and steps_done % e.ema_every == 0):
+            return {}
+        decay = ema_decay(steps_done, e.ema_decay)
+        workers.ema_update_adapter("default", "ema", decay)
+        return {"ema_decay": decay}
+
+    # -- selection and early stop (eval.select_by, eval.stop_when_diverging) ------------------------
+    def start_selection(self, output_dir: Path, start_step: int) -> None:
+        """A fresh selection; a resume replays the evaluations it keeps, so it has the same best and the same history."""
+        e = self.cfg.eval
+        self.selection, self.stopped_early = Selection(e.select_by, int(e.stop_when_diverging), self.weights), None
+        if start_step:
+            for record in read_jsonl(output_dir / "metrics.jsonl"):
+                if record.get("kind") == "eval":
+                    self.selection.observe(record["step"], record)
+
+    def select(self, output_dir: Path, step: int, metrics: dict, save_checkpoint: Callable[[int], Path], progress: Progress) -> bool:
+        """Observe the evaluation at ``step`` (:mod:`diffrl.selection`): a new best writes its checkpoint
+        (``save_checkpoint``) and ``best.json``; the hacking signature writes the step's checkpoint and ends the run
+        (returns True) with a line naming the checkpoint to use."""
+        try:
+            improved, diverging = self.selection.observe(step, metrics)
+        except KeyError as exc:
+            raise ValueError(str(exc.args[0])) from None
+        if improved:
+            path = save_checkpoint(step) if step > 0 else None
+            best = {**self.selection.best, "checkpoint": str(path) if path else None}
+            checkpoint.write_json_atomic(output_dir / "best.json", best)
+        if not diverging:
+            return False
+        save_checkpoint(step)
+        best = self.selection.best
+        path = checkpoint_path(output_dir, best["step"])
+        self.stopped_early = {"step": step, "reason": self.selection.stop_message(), "best_step": best["step"], "best_value": best["value"],
+                              "checkpoint": str(path) if path else None}
+        progress.write(self.selection.stop_message())
+        return True
+
+    def summary(self, output_dir: Path, before: dict, after: dict, wall: float) -> dict:
+        """``summary.json`` (:func:`diffrl.run_report.run_summary`) with the selected checkpoint and an early stop."""
+        best = self.selection.best
+        selected = None if best is None else {**best, "checkpoint": str(p) if (p := checkpoint_path(output_dir, best["step"])) else None}
+        steps = self.stopped_early["step"] if self.stopped_early else int(self.cfg.trainer.steps)
+        return run_summary(self.cfg, output_dir, self.weights, list(self.metrics), self.gold_name, self.judge_names, before, after, wall, steps,
+                           selected=selected, stopped_early=self.stopped_early, fidelity_name=self.cfg.reward.fidelity)
+
+
+__all__ = ["RunEvaluation", "ema_decay", "eval_line"]
