@@ -83,7 +83,7 @@ def prompt_set(cfg, adapter) -> list[str]:
 
 
 def sample(cfg, adapter, prompts: list[str], seeds: list[int]) -> torch.Tensor:
-    """uint8 images with the run's deterministic evaluation sampler (as ``Trainer.evaluate``)."""
+    """uint8 images with the run's deterministic evaluation sampler (as ``RunEvaluation.evaluate``)."""
     settings = deterministic_settings(worker_config(cfg).sampler, adapter.prediction_type, int(cfg.sampler.eval_num_steps))
     return sample_trajectories(adapter, prompts, settings=settings, seeds=seeds, micro_batch_size=cfg.sampler.micro_batch_size)["images"]
 
