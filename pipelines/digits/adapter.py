@@ -65,6 +65,7 @@ class DigitsAdapter(ModelAdapter):
     # the architecture of the random configuration (path=None): transformer config and DigitsTextEncoder arguments
     transformer_config: dict = TRANSFORMER_CONFIG
     text_encoder_args: dict = {}
+    transformer_class = "SD3Transformer2DModel"  # the diffusers class of the denoiser (the video miniature's: WanTransformer3DModel)
 
     def __init__(self, path: str | None = None, dtype: str = "float32", device: str = "cpu", seed: int = 0, cfg_mode: str = "split"):
         dtype_ = torch_dtype(dtype)
@@ -72,7 +73,7 @@ class DigitsAdapter(ModelAdapter):
         if path is None:
             transformer, text_encoder = self.random_transformer(seed), self.random_text_encoder(seed + 1)
         else:
-            from diffusers import SD3Transformer2DModel
+            import diffusers
 
             folder = Path(path)
             name, script = self.folder_name, self.pretrain_script
@@ -83,7 +84,7 @@ class DigitsAdapter(ModelAdapter):
             for part in ("transformer/config.json", "transformer/diffusion_pytorch_model.safetensors", "text_encoder/model.safetensors"):
                 if not (folder / part).is_file():
                     raise FileNotFoundError(f"{name} model file {folder / part} is missing; rerun `python {script} --out {folder}`")
-            transformer = SD3Transformer2DModel.from_pretrained(str(folder / "transformer"), local_files_only=True)
+            transformer = getattr(diffusers, self.transformer_class).from_pretrained(str(folder / "transformer"), local_files_only=True)
             text_encoder = DigitsTextEncoder.from_pretrained(folder / "text_encoder")
         transformer = transformer.to(device)
         if dtype_ != torch.float32:
@@ -93,11 +94,11 @@ class DigitsAdapter(ModelAdapter):
 
     @classmethod
     def random_transformer(cls, seed: int):
-        from diffusers import SD3Transformer2DModel
+        import diffusers
 
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            return SD3Transformer2DModel(**cls.transformer_config)
+            return getattr(diffusers, cls.transformer_class)(**cls.transformer_config)
 
     @classmethod
     def random_text_encoder(cls, seed: int) -> DigitsTextEncoder:

@@ -26,6 +26,9 @@ from rewards.digits.edit import DigitsEditFidelity, DigitsEditGold, DigitsEditRe
 from rewards.digits.judge2 import DigitsGold2
 from rewards.digits.realness import DigitsReal, realness_check
 from rewards.digits.stroke import DigitsStroke
+from rewards.digits.video import DigitsVideoReward  # noqa: F401  the video miniature's rewards register on import
+from rewards.digits.video_judge import DigitsVideoFidelity, DigitsVideoGold  # noqa: F401
+from rewards.digits.video_judge2 import DigitsVideoGold2  # noqa: F401
 
 __all__ = [
     "DigitsComposeExact", "DigitsComposeFidelity", "DigitsComposeGold", "DigitsComposeReal", "DigitsEditFidelity", "DigitsEditGold",
