@@ -148,6 +148,18 @@ def _moved_keys_in(node: Any) -> list[str]:
     return [f"trainer.{k}" for k in (trainer or {}) if f"trainer.{k}" in MOVED_KEYS]
 
 
+def upgrade_run_config(node: dict) -> dict:
+    """A run's stored config.yaml (a plain container) with the keys ``TrainerConfig`` held before its split moved to
+    their new place (``MOVED_KEYS``), so that a run folder written before the split keeps its checkpoints usable by
+    ``diffrl eval``/``sample``/``export-lora`` and the analysis helpers. A user's own overrides and recipes are refused
+    instead (:func:`moved_key_message`)."""
+    trainer = node.get("trainer") if isinstance(node, dict) else None
+    for key in [k for k in (trainer or {}) if f"trainer.{k}" in MOVED_KEYS]:
+        group, new = MOVED_KEYS[f"trainer.{key}"].split(".", 1)
+        node.setdefault(group, {})[new] = trainer.pop(key)
+    return node
+
+
 def _explain(exc: Exception, overrides: list[str] | None = None) -> str:
     """Turn hydra/omegaconf errors into one message that names the key and the valid choices."""
     text = str(exc)

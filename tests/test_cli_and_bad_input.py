@@ -53,6 +53,32 @@ def test_a_key_trainer_config_held_before_its_split_names_its_new_place(old):
     assert key in {f.name for f in dataclasses.fields({"eval": EvalConfig, "distributed": DistributedConfig}[group])}
 
 
+def test_a_run_folder_written_before_the_split_stays_usable(tmp_path):
+    """A run's stored config.yaml with the old trainer.* keys: diffrl eval/sample's loader and the analysis helpers
+    read it with each value at its new key (its checkpoints stay usable); only a user's own overrides are refused."""
+    from omegaconf import OmegaConf
+
+    from diffrl.tools.analysis import load_run
+    from diffrl.tools.commands import load_config
+
+    stored = OmegaConf.to_container(compose([]))
+    old = {"eval_every": 7, "eval_seeds_per_prompt": 3, "select_by": "eval/gold_accuracy", "num_workers": 2, "max_staleness": 1}
+    for key in old:
+        group, new = MOVED_KEYS[f"trainer.{key}"].split(".")
+        stored[group].pop(new)
+    stored["trainer"].update(old)
+    (tmp_path / "config.yaml").write_text(OmegaConf.to_yaml(stored))
+    (tmp_path / "metrics.jsonl").write_text('{"kind": "eval", "step": 0, "eval/gold_accuracy": 0.5}\n')
+    cfg = load_config(["eval.seed=99"], tmp_path / "config.yaml")
+    for key, value in old.items():
+        group, new = MOVED_KEYS[f"trainer.{key}"].split(".")
+        assert cfg[group][new] == value and key not in cfg.trainer
+    assert cfg.eval.seed == 99
+    assert load_run(tmp_path).config["eval"]["every"] == 7
+    with pytest.raises(ConfigError, match=r"^trainer.eval_every moved to eval.every"):
+        load_config(["trainer.eval_every=2"], tmp_path / "config.yaml")
+
+
 def test_cli_refuses_a_moved_key_with_one_line_and_exit_2(capsys, monkeypatch):
     monkeypatch.delenv("DIFFRL_TRACEBACK", raising=False)
     assert main(["train", "trainer.eval_every=2"]) == 2

@@ -30,7 +30,7 @@ from diffrl import wandb_file
 from diffrl.checkpoint import list_checkpoints
 from diffrl.config import eval_metric_names
 from diffrl.data import eval_subset, run_prompts
-from diffrl.recipes import to_config
+from diffrl.recipes import to_config, upgrade_run_config
 from diffrl.distributed.workers import TrainingWorker
 from diffrl.logging import grid_cells, image_grid
 from diffrl.sampling.distribution import DISTRIBUTION_KEYS, relative_to_base
@@ -141,7 +141,7 @@ def load_run(path: str | Path, name: str | None = None) -> Run:
         frame["kind"] = pd.Series(dtype=str)
     split = lambda kind: frame[frame["kind"] == kind].drop(columns="kind").dropna(axis=1, how="all").reset_index(drop=True)
     config_file = path / "config.yaml"
-    config = OmegaConf.to_container(OmegaConf.load(config_file), resolve=False) if config_file.is_file() else {}
+    config = upgrade_run_config(OmegaConf.to_container(OmegaConf.load(config_file), resolve=False)) if config_file.is_file() else {}
     summary_file = path / "summary.json"
     summary = json.loads(summary_file.read_text()) if summary_file.is_file() else None
     return Run(path=path, name=name or path.name, config=config, train=split("train"), eval=split("eval"), summary=summary)

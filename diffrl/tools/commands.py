@@ -38,13 +38,13 @@ import torch
 from safetensors.torch import load_file
 
 from diffrl.checkpoint import checkpoint_adapters, list_checkpoints, write_json_atomic
-from diffrl.config import eval_metric_names
+from diffrl.config import MOVED_KEYS, eval_metric_names
 from diffrl.data import check_edit_prompts, eval_subset, run_prompts, sample_metadata
 from diffrl.data import read_prompts as read_prompt_source
 from diffrl.distributed import build_worker_group
 from diffrl.distributed.workers import ActorRolloutRefWorker
 from diffrl.logging import save_gif, save_grid
-from diffrl.recipes import Config, ConfigError, compose
+from diffrl.recipes import Config, ConfigError, compose, moved_key_message, upgrade_run_config
 from diffrl.sampling.evaluation import eval_prompts_and_seeds
 from diffrl.sampling.evaluator import Evaluator
 from diffrl.resume import RunFolderError
@@ -147,6 +147,8 @@ def apply_overrides(cfg, overrides: list[str], source: Path):
         key = key.lstrip("+~")
         if not eq:
             raise ConfigError(f"override {item!r} is not key=value")
+        if key in MOVED_KEYS:
+            raise ConfigError(moved_key_message(key))
         if key in _GROUPS:
             raise ConfigError(
                 f"override {item!r} selects a config group, but the config comes from {source}; "
@@ -175,7 +177,7 @@ def load_config(overrides: list[str], run_config: Path | None):
     for free_form in (schema.model.options, schema.reward.options):  # family / reward kwargs: any key
         OmegaConf.set_struct(free_form, False)
     try:
-        cfg = OmegaConf.merge(schema, OmegaConf.load(run_config))
+        cfg = OmegaConf.merge(schema, upgrade_run_config(OmegaConf.to_container(OmegaConf.load(run_config))))
     except OmegaConfBaseException as exc:
         raise ConfigError(f"{run_config} does not fit this diffrl's config schema ({exc}); add --recipe-config and give the settings as overrides") from None
     cfg = apply_overrides(cfg, overrides, run_config)
