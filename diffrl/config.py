@@ -118,7 +118,8 @@ class LoraConfig:
 @dataclass
 class ModelConfig:
     CHECKS: ClassVar[dict[str, Check]] = {"dtype": one_of(*DTYPES), "checkpoint_every": at_least(1), "compile_mode": one_of(*COMPILE_MODES), "compile_scope": one_of("model", "blocks"),
-                                          "rollout_precision": one_of("model", "fp8"), "rollout_fp8_kernel": one_of("auto", "emulate", "scaled_mm")}
+                                          "rollout_precision": one_of("model", "fp8"), "rollout_fp8_kernel": one_of("auto", "emulate", "scaled_mm"),
+                                          "sequence_parallel": at_least(1)}
     family: str = "digits"
     """model family (pipelines/<family>)"""
     path: Optional[str] = None
@@ -137,6 +138,10 @@ class ModelConfig:
     """shard the denoiser with FSDP2 when distributed.num_workers > 1"""
     param_offload: bool = False
     """FSDP2: keep sharded parameters and optimizer state on the CPU"""
+    sequence_parallel: int = 1
+    """video families (wan, wan22): split each sample's tokens over this many ranks (Ulysses all-to-all over attention heads,
+    diffrl.engine.sequence_parallel); ranks = data-parallel groups × this; it must divide the ranks, the attention heads and
+    the video tokens; 1: off"""
     activation_checkpointing: bool = False
     """recompute block activations in the backward pass (diffrl.engine.memory; model.checkpoint_every picks the blocks)"""
     checkpoint_every: int = 1

@@ -86,7 +86,7 @@ def test_kl_against_the_old_adapter_and_micro_batch_invariance(tiny_adapter):
 class _Workers:
     """A worker group that records the update and reference resets; its update reports the given KL."""
 
-    world_size = 1
+    world_size = dp_size = 1
 
     def __init__(self, kl: float):
         self.kl, self.resets, self.batches = kl, 0, []

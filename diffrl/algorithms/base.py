@@ -60,6 +60,8 @@ class Workers(Protocol):
     """What an algorithm calls on the worker group (``diffrl.distributed.WorkerGroup``)."""
 
     world_size: int
+    dp_size: int
+    """data-parallel groups (ranks / ``model.sequence_parallel``): the ways each mini-batch is split"""
 
     def update_actor(self, data: TensorDict) -> TensorDict: ...
 
@@ -157,7 +159,7 @@ class Algorithm(abc.ABC):
         not fill equal mini-batches divisible by the workers are left out (``rows_unused``). Each optimizer
         step gets its own seed (stream ``UPDATE``) for the objective's noise.
         """
-        a, W = self.config, workers.world_size
+        a, W = self.config, workers.dp_size
         n = td.shape[0]
         num_mini = max(1, min(n, full_batch // int(a.mini_batch_size or full_batch)))
         per_mini = (n // num_mini) // W * W

@@ -119,23 +119,36 @@ class LocalExecutor(Executor):
 class WorkerGroup:
     """The worker API over all ranks: each method dispatches as the worker class registered it.
 
+    With sequence parallelism (``model.sequence_parallel=k``) the ranks form ``world_size / k`` data-parallel groups of
+    ``k`` consecutive ranks that split each sample's tokens between them: a ``DP_COMPUTE`` input is split into one chunk
+    per group, every rank of a group gets its group's chunk, and the group's first rank answers for it (the ranks of a
+    group compute the same outputs).
+
     Args:
         worker_cls: the worker class (``ActorRolloutRefWorker``); its ``@register`` modes drive the dispatch.
         executor: runs the calls (:class:`LocalExecutor` or ``diffrl.distributed.ray.RayExecutor``).
+        sequence_parallel: ranks per sequence-parallel group (``model.sequence_parallel``; 1: each rank its own samples).
     """
 
-    def __init__(self, worker_cls: type, executor: Executor):
+    def __init__(self, worker_cls: type, executor: Executor, sequence_parallel: int = 1):
         self.worker_cls = worker_cls
         self.executor = executor
         self.world_size = executor.world_size
+        if sequence_parallel < 1 or self.world_size % sequence_parallel:
+            raise ValueError(f"model.sequence_parallel={sequence_parallel} must divide the {self.world_size} ranks")
+        self.sequence_parallel = sequence_parallel
+        self.dp_size = self.world_size // sequence_parallel
+        """data-parallel groups: the number of ways a batch is split"""
 
     def _call(self, method: str, *args, **kwargs):
         mode = dispatch_mode_of(self.worker_cls, method)
         if mode is Dispatch.ONE_TO_ALL:
             return self.executor.call_all(method, [args] * self.world_size, kwargs)[0]
         data, *rest = args
-        chunks = split_for_dp(data, self.world_size)
-        return gather_dp(self.executor.call_all(method, [(c, *rest) for c in chunks], kwargs))
+        k = self.sequence_parallel
+        chunks = split_for_dp(data, self.dp_size)
+        outputs = self.executor.call_all(method, [(chunks[r // k], *rest) for r in range(self.world_size)], kwargs)
+        return gather_dp(outputs[::k])
 
     # -- set-up ------------------------------------------------------------------------------------
     def init_model(self) -> None:

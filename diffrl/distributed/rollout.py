@@ -14,6 +14,7 @@ engine interface"); :class:`RolloutWorker` is its first, in-process implementati
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Protocol
 
@@ -163,6 +164,8 @@ class RolloutReplicas:
         self.actors = actors
         self.bucket_bytes = int(bucket_bytes)
         self.backend = backend or ("nccl" if torch.device(config.model.device).type == "cuda" else "gloo")
+        # a replica is a world of one that samples whole videos: the actors' sequence parallelism is theirs alone
+        config = dataclasses.replace(config, model=dataclasses.replace(config.model, sequence_parallel=1))
         self.executor = RayExecutor(
             RolloutWorker, config, num_workers=replicas, role="rollout", num_cpus_per_worker=num_cpus, num_gpus_per_worker=num_gpus,
             threads=threads, rendezvous_timeout_s=rendezvous_timeout_s, call_timeout_s=call_timeout_s, process_group=False,

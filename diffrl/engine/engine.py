@@ -24,7 +24,7 @@ import torch
 from tensordict import TensorDict
 
 from diffrl.config import ModelConfig, OptimConfig, SamplerConfig
-from diffrl.engine import fp8, lora, memory, parallel
+from diffrl.engine import fp8, lora, memory, parallel, sequence_parallel
 from diffrl.sampling.sde import is_deterministic, run_step
 
 
@@ -134,6 +134,7 @@ class DiffusionEngine:
         self._old_copy = None
         self.sharded = False
         self._fused = None
+        self.gradient_scale = 1.0
         self.initialized = False
 
     # -- set-up -----------------------------------------------------------------------------------
@@ -170,6 +171,8 @@ class DiffusionEngine:
         self.initialized = True  # copy_to_old below must not re-enter
         if self.old_policy_at_start:
             self.copy_to_old()
+        if self.model.sequence_parallel > 1:
+            self._apply_sequence_parallel()
         if self.model.fsdp and parallel.world_size() > 1:
             parallel.apply_fsdp(module, self.adapter.fsdp_blocks(), param_offload=self.model.param_offload)
             self.sharded = True
@@ -189,6 +192,24 @@ class DiffusionEngine:
         lr_factor(0, o, total)  # validate the schedule before any work
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_factor(step, o, total))
         self.initialized = True
+
+    def _apply_sequence_parallel(self) -> None:
+        """Split each sample's video tokens over groups of ``model.sequence_parallel`` ranks (:mod:`diffrl.engine.sequence_parallel`)
+        in every transformer the family names (``adapter.sequence_parallel_transformers()``). A rank's gradients are its
+        tokens' share and FSDP2 averages over all ranks, so backwards are scaled by the group size: the update is the
+        data-parallel mean of the groups' sums, as with whole samples per rank."""
+        k = int(self.model.sequence_parallel)
+        transformers = getattr(self.adapter, "sequence_parallel_transformers", None)
+        if transformers is None:
+            raise ValueError(f"model.sequence_parallel={k} splits video tokens; model family {getattr(self.adapter, 'family', type(self.adapter).__name__)!r} has no sequence-parallel "
+                             "transformer (video families: wan, wan22)")
+        if not (self.model.fsdp and parallel.world_size() > 1):
+            raise ValueError(f"model.sequence_parallel={k} needs {k}·n ranks sharded with FSDP2 (distributed.backend=ray, distributed.num_workers "
+                             f"a multiple of {k}, model.fsdp=true); this process is one of {parallel.world_size()}")
+        group = sequence_parallel.new_groups(k)
+        for transformer in transformers():
+            sequence_parallel.apply_wan(transformer, group)
+        self.gradient_scale = float(k)
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.module.parameters() if p.requires_grad]
@@ -360,7 +381,7 @@ class DiffusionEngine:
             share = micro.shape[0] / batch.shape[0]
             for loss, weight, metrics in self._pieces(loss_fn, micro, seed):
                 if loss.requires_grad or not self.model.lora.experts:  # LoRA on some experts: a step of another reaches no trained parameter
-                    (loss * share * weight).backward()
+                    (loss * share * weight * self.gradient_scale).backward()  # × 1.0 is exact
                 loss_total += loss.item() * share * weight
                 for name, value in metrics.items():
                     sums[name] += value * share * weight

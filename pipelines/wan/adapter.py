@@ -33,6 +33,7 @@ receive the frames: see ``rewards/base.py``).
 from __future__ import annotations
 
 import html
+import json
 import re
 from pathlib import Path
 
@@ -43,7 +44,7 @@ from pipelines.base import check_cfg_mode, register_family, torch_dtype
 from pipelines.flops import wan_forward_flops
 from pipelines.latent import LatentFlowFamily, check_folder, load_common, load_tokenizer, own_memory
 from pipelines.schedules import flow_match_sigmas
-from pipelines.shapes import Shape, building, family_components, plain, register_shape, t5_config
+from pipelines.shapes import Shape, building, family_components, plain, register_shape, resolve_shape, t5_config
 from pipelines.tiny import build_tiny_t5_tokenizer
 
 # the family's published shapes (``model.options.shape``; pipelines.shapes): Wan2.1's 14B and 1.3B differ in width and depth
@@ -164,6 +165,7 @@ class WanAdapter(LatentFlowFamily):
     hub_components = WAN_COMPONENTS
 
     family = "Wan"
+    shape_family = "wan"  # the family's name among the published shapes (pipelines.shapes)
     pipeline_class = "WanPipeline"
     lora_pipeline = pipeline_class
     text_encoder_names = ("text_encoder",)
@@ -253,6 +255,34 @@ class WanAdapter(LatentFlowFamily):
 
     def fsdp_blocks(self) -> list[torch.nn.Module]:
         return list(self.denoiser.blocks)
+
+    # -- sequence parallelism (model.sequence_parallel; diffrl.engine.sequence_parallel) ---------------------------
+    def sequence_parallel_transformers(self) -> list[torch.nn.Module]:
+        """The ``WanTransformer3DModel``\ s whose video tokens ``model.sequence_parallel`` splits over ranks."""
+        return [self.denoiser]
+
+    @classmethod
+    def sequence_layout(cls, height: int, width: int, *, path: str | None = None, shape: str = "tiny", num_frames: int = 5,
+                        **_) -> tuple[int | None, int | None]:
+        """``(attention heads, video tokens per sample)`` of the transformer at ``height × width`` and ``num_frames``, read
+        without building the model: a local folder's ``transformer/config.json`` and ``vae/config.json``, the tiny or a
+        published shape; ``(None, None)`` for a Hub id (checked when the model runs)."""
+        vae = {}
+        if path is not None:
+            folder = Path(str(path))
+            if not (folder / "transformer" / "config.json").is_file():
+                return None, None
+            transformer = json.loads((folder / "transformer" / "config.json").read_text())
+            if (folder / "vae" / "config.json").is_file():
+                vae = json.loads((folder / "vae" / "config.json").read_text())
+        else:
+            spec = resolve_shape(cls.shape_family, shape)
+            transformer = TINY_WAN_TRANSFORMER if spec is None else spec.transformer
+        spatial, temporal = int(vae.get("scale_factor_spatial", 8)), int(vae.get("scale_factor_temporal", 4))
+        p_t, p_h, p_w = transformer.get("patch_size", (1, 2, 2))
+        frames = (int(num_frames) - 1) // temporal + 1
+        tokens = (frames // p_t) * (height // spatial // p_h) * (width // spatial // p_w)
+        return int(transformer["num_attention_heads"]), tokens
 
     def _forward(self, latents: torch.Tensor, sigma: torch.Tensor, cond) -> torch.Tensor:
         return self.denoiser(hidden_states=latents, timestep=1000.0 * sigma, encoder_hidden_states=cond["prompt_embeds"], return_dict=False)[0]

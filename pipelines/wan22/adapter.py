@@ -111,6 +111,7 @@ class Wan22Adapter(WanAdapter):
 
     hub_components = WAN22_COMPONENTS
     family = "Wan2.2"
+    shape_family = "wan22"
     # two experts: no one-transformer diffusers LoRA file holds them (diffrl export-lora refuses the family)
     lora_pipeline = None
     experts = EXPERTS
@@ -168,6 +169,10 @@ class Wan22Adapter(WanAdapter):
     def fsdp_blocks(self) -> list[torch.nn.Module]:
         """The blocks of both experts (each its own FSDP2 unit: only the running expert's blocks are gathered)."""
         return [*self.denoiser.high.blocks, *self.denoiser.low.blocks]
+
+    def sequence_parallel_transformers(self) -> list[torch.nn.Module]:
+        """Both experts: each splits its video tokens over the sequence-parallel group (``model.sequence_parallel``)."""
+        return [self.denoiser.high, self.denoiser.low]
 
     # -- guidance per expert --------------------------------------------------------------------
     def predict(self, latents: torch.Tensor, sigma: torch.Tensor, cond: TensorDict, guidance_scale: float) -> torch.Tensor:
