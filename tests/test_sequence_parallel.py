@@ -239,6 +239,15 @@ def test_ray_sequence_parallel_trains_what_the_local_worker_trains(tmp_path):
             if isinstance(value, float) and key != "ratio_std":  # ratio_std: a per-rank std averaged over groups
                 assert rb[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
     print(f"trainer: LoRA max |Δ| {worst:.2e} (largest movement {moved:.2e}); rewards {[r.get('reward_mean') for r in b]}")
+    # the sequence-parallel run's checkpoint samples in one local process (diffrl sample: whole videos, the same weights)
+    from diffrl.tools.cli import main
+
+    for name in ("local", "sp"):
+        assert main(["sample", "--run", str(tmp_path / name), "--prompts", "a cat", "--seeds", "3", "--out", str(tmp_path / f"sample_{name}")]) == 0
+    a, b = (json.loads((tmp_path / f"sample_{name}" / "samples.json").read_text())["samples"] for name in ("local", "sp"))
+    assert len(a) == len(b) == 1 and a[0]["rewards"].keys() == b[0]["rewards"].keys()
+    for key, value in a[0]["rewards"].items():
+        assert b[0]["rewards"][key] == pytest.approx(value, rel=1e-3), key
 
 
 # -- bad input ----------------------------------------------------------------------------------------------------

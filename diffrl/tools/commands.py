@@ -29,6 +29,7 @@ overrides together (argparse) and not right after ``--prompts``/``--seeds``, whi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from dataclasses import dataclass
@@ -235,7 +236,10 @@ def build_workers(source: ModelSource):
     cfg = source.cfg
     if cfg.trainer.threads:
         torch.set_num_threads(int(cfg.trainer.threads))
-    workers = build_worker_group(ActorRolloutRefWorker, worker_config(cfg), backend="local", num_workers=1)
+    config = worker_config(cfg)
+    # one local process samples whole videos: a run trained with sequence parallelism is evaluated without it (same weights)
+    config = dataclasses.replace(config, model=dataclasses.replace(config.model, sequence_parallel=1))
+    workers = build_worker_group(ActorRolloutRefWorker, config, backend="local", num_workers=1)
     workers.init_model()
     if source.checkpoint is not None:
         try:
