@@ -229,7 +229,7 @@ class DiffusionEngine:
         low = low_precision and self.model.rollout_precision == "fp8"
         if low and self.sharded:
             raise ValueError("model.rollout_precision=fp8 quantises whole weights; sharded (FSDP2) actor ranks cannot sample in FP8: "
-                             "use rollout replicas (trainer.rollout_replicas ≥ 1) or trainer.num_workers=1")
+                             "use rollout replicas (distributed.rollout_replicas ≥ 1) or distributed.num_workers=1")
         return self._rollout_context(low)
 
     @contextlib.contextmanager
@@ -291,7 +291,7 @@ class DiffusionEngine:
     @contextlib.contextmanager
     def policy(self, name: str):
         """Yield the model adapter running as policy ``name``: ``current`` (the trained weights), ``old`` (DiffusionNFT's
-        sampling policy, :meth:`old_policy`) or ``ema`` (the evaluated EMA of ``trainer.ema``, a LoRA adapter)."""
+        sampling policy, :meth:`old_policy`) or ``ema`` (the evaluated EMA of ``eval.ema``, a LoRA adapter)."""
         if name == "current":
             yield self.adapter
         elif name == "old":
@@ -299,7 +299,7 @@ class DiffusionEngine:
                 yield adapter
         elif name == "ema":
             if not self.uses_lora or "ema" not in getattr(self.module, "peft_config", {}):
-                raise ValueError("policy 'ema' needs the LoRA adapter 'ema' (trainer.ema=true with model.lora.rank > 0); this model has none")
+                raise ValueError("policy 'ema' needs the LoRA adapter 'ema' (eval.ema=true with model.lora.rank > 0); this model has none")
             with lora.adapter_active(self.module, "ema"):
                 yield self.adapter
         else:
