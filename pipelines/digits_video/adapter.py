@@ -2,8 +2,8 @@
 
 The Wan2.1 architecture (``pipelines.wan``: 3-D patches with rotary positions over frames, rows and columns,
 cross-attention to the prompt's tokens, timestep modulation) at miniature size, without a VAE: the latents are the
-clips themselves scaled to [-1, 1], ``[B, 3, F, 16, 16]`` in Wan's channel-first layout (``F`` = 8 frames; 4×4
-patches: 8 · 4 · 4 = 128 video tokens). The text encoder is the digits miniature's (``DigitsTextEncoder``) over the
+clips themselves scaled to [-1, 1], ``[B, 3, F, 16, 16]`` in Wan's channel-first layout (``F`` = 8 frames; patches of
+2 frames × 4×4 pixels: 4 · 4 · 4 = 64 video tokens, as many as the digits model's image tokens). The text encoder is the digits miniature's (``DigitsTextEncoder``) over the
 video grammar's words (5 tokens, ``"a red seven moving left"``); Wan reads the token sequence only (no pooled
 vector). Flow matching as every flow family: ``x_σ = (1 − σ)·x0 + σ·ε``, velocity ``v = ε − x0``, the transformer's
 timestep ``1000·σ``, shift 1.
@@ -29,14 +29,14 @@ from rewards.digits.video_data import CANVAS, FRAMES, MAX_WORDS, WORDS, all_prom
 
 # the shipped generator's architecture; also the tiny random config used when no path is given
 TRANSFORMER_CONFIG = dict(
-    patch_size=(1, 4, 4),
-    num_attention_heads=2,
+    patch_size=(2, 4, 4),
+    num_attention_heads=4,
     attention_head_dim=32,
     in_channels=3,
     out_channels=3,
     text_dim=32,
     freq_dim=32,
-    ffn_dim=128,
+    ffn_dim=256,
     num_layers=4,
     cross_attn_norm=True,
     qk_norm="rms_norm_across_heads",
@@ -93,7 +93,7 @@ class DigitsVideoAdapter(DigitsAdapter):
         return self.denoiser(hidden_states=latents, timestep=1000.0 * sigma, encoder_hidden_states=cond["prompt_embeds"], return_dict=False)[0]
 
     def forward_flops(self, height: int, width: int, *, lora_rank: int = 0) -> float:
-        """:func:`pipelines.flops.wan_forward_flops` over the ``F · H/4 · W/4`` video tokens and the prompt's tokens."""
+        """:func:`pipelines.flops.wan_forward_flops` over the ``F/2 · H/4 · W/4`` video tokens and the prompt's tokens."""
         _, f, h, w = self.latent_shape(height, width)
         p_t, p_h, p_w = self.denoiser.config.patch_size
         return wan_forward_flops(dict(self.denoiser.config), (f // p_t) * (h // p_h) * (w // p_w), self.prompt_tokens(), lora_rank)

@@ -3,7 +3,8 @@
 A clip is ``FRAMES`` = 8 frames of a 16×16 RGB canvas (black background) holding one of sklearn's digits at
 its own 8×8 resolution (intensity ``/16``), coloured with the digits palette (``rewards.digits.data``), that
 moves one pixel per frame ``left``, ``right``, ``up`` or ``down``: 7 px over the clip, from a start on the side it
-leaves (so that it stays on the canvas) and a random offset across the motion. Clips are float
+leaves (so that it stays on the canvas) and a random offset across the motion (the generator's pretraining clips keep
+to tracks near the middle, :func:`start_positions`). Clips are float
 ``[N, F, 3, 16, 16]`` in [0, 1] (generated ones arrive as uint8, the rollout's ``images``).
 
 Prompts read ``"a <colour> <digit-word> moving <direction>"`` (``"a red seven moving left"``): 10 digits × 6
@@ -85,12 +86,20 @@ def check_clips(clips: torch.Tensor, what: str) -> None:
         raise ValueError(f"{what} reads clips [B, {FRAMES}, 3, {CANVAS}, {CANVAS}] (the digits-video miniature's size), got {tuple(clips.shape)}")
 
 
-def start_positions(direction: torch.Tensor, g: torch.Generator) -> torch.Tensor:
-    """``[N, 2]`` top-left ``(y, x)`` of frame 0 for clips moving in ``direction [N]`` (index; :data:`STILL` allowed):
-    along the motion, 0 or 1 px from the side it leaves; across it (and for still digits), anywhere on the canvas."""
+def start_positions(direction: torch.Tensor, g: torch.Generator, jitter: int | None = None) -> torch.Tensor:
+    """``[N, 2]`` top-left ``(y, x)`` of frame 0 for clips moving in ``direction [N]`` (index; :data:`STILL` allowed).
+
+    ``jitter=None``: along the motion, 0 or 1 px from the side it leaves; across it (and for still digits), anywhere on
+    the canvas. ``jitter=j``: on a track near the middle: along the motion, at the side it leaves (``+1`` px at random
+    when ``j ≥ 1``), across it at the centre ``± j`` px (still digits: the centre ``± j`` both ways).
+    """
     n, room = len(direction), CANVAS - DIGIT_SIZE
-    pos = torch.randint(0, room + 1, (n, 2), generator=g)
-    near = torch.randint(0, 2, (n,), generator=g)
+    if jitter is None:
+        pos = torch.randint(0, room + 1, (n, 2), generator=g)
+        near = torch.randint(0, 2, (n,), generator=g)
+    else:
+        pos = room // 2 + torch.randint(-jitter, jitter + 1, (n, 2), generator=g)
+        near = torch.randint(0, min(jitter, 1) + 1, (n,), generator=g)
     travel = (FRAMES - 1)
     for i, d in enumerate(direction.tolist()):
         if d == STILL:
@@ -125,8 +134,10 @@ def render_clips(intensity: torch.Tensor, colour: torch.Tensor, start: torch.Ten
     return ink[:, :, None] * palette[colour].view(n, 1, 3, 1, 1)
 
 
-def random_clips(intensity: torch.Tensor, labels: torch.Tensor, n: int, g: torch.Generator, *, still_fraction: float = 0.0):
-    """``n`` clips of random digits of ``(intensity, labels)``, colours and directions (a share ``still_fraction`` still).
+def random_clips(intensity: torch.Tensor, labels: torch.Tensor, n: int, g: torch.Generator, *, still_fraction: float = 0.0,
+                 jitter: int | None = None):
+    """``n`` clips of random digits of ``(intensity, labels)``, colours and directions (a share ``still_fraction`` still),
+    placed by :func:`start_positions` with ``jitter``.
 
     Returns:
         ``(clips [n, F, 3, 16, 16] in [0, 1], digit [n], colour [n], direction [n])`` (direction :data:`STILL` for still ones).
@@ -136,7 +147,7 @@ def random_clips(intensity: torch.Tensor, labels: torch.Tensor, n: int, g: torch
     direction = torch.randint(0, len(DIRECTION_NAMES), (n,), generator=g)
     if still_fraction > 0:
         direction[torch.rand(n, generator=g) < still_fraction] = STILL
-    clips = render_clips(intensity[idx], colour, start_positions(direction, g), velocities(direction))
+    clips = render_clips(intensity[idx], colour, start_positions(direction, g, jitter), velocities(direction))
     return clips, labels[idx], colour, direction
 
 
