@@ -279,14 +279,18 @@ def check_sizes(cfg: Config | DictConfig) -> None:
             f"algorithm.mini_batch_size={mini} does not divide the {batch} trajectories of a step "
             f"(trainer.prompts_per_step × trainer.group_size); valid sizes: {[d for d in range(1, batch + 1) if batch % d == 0]}"
         )
-    if W > 1:
-        if batch % W or mini % W:
-            valid = [d for d in range(W, batch + 1, W) if batch % d == 0]
+    k = int(getattr(cfg.model, "sequence_parallel", 1) or 1)
+    dp = W // k if k > 1 and W % k == 0 else W  # groups of k ranks share their samples (a k not dividing W is refused with the workers)
+    if dp > 1:
+        if batch % dp or mini % dp:
+            valid = [d for d in range(dp, batch + 1, dp) if batch % d == 0]
+            over = f"distributed.num_workers={W}" if dp == W else f"{dp} data-parallel groups (distributed.num_workers={W} / model.sequence_parallel={k})"
             raise ValueError(
-                f"{batch} trajectories per step (mini-batches of {mini}) cannot be split evenly over distributed.num_workers={W}: "
-                f"prompts_per_step × group_size and algorithm.mini_batch_size must be multiples of {W} "
+                f"{batch} trajectories per step (mini-batches of {mini}) cannot be split evenly over {over}: "
+                f"prompts_per_step × group_size and algorithm.mini_batch_size must be multiples of {dp} "
                 f"(valid mini_batch_size values: {valid})"
             )
+    if W > 1:
         if not cfg.model.fsdp:
             raise ValueError(
                 f"model.fsdp=false with distributed.num_workers={W}: the workers would train unsynchronised copies (gradients are "
@@ -305,9 +309,10 @@ def check_sizes(cfg: Config | DictConfig) -> None:
     if C < 1 or t.prompts_per_step % C:
         valid = [d for d in range(1, t.prompts_per_step + 1) if t.prompts_per_step % d == 0]
         raise ValueError(f"reward.async_chunks={C} must divide trainer.prompts_per_step={t.prompts_per_step} (chunks are whole prompt groups); valid: {valid}")
-    if W > 1 and (batch // C) % W:
-        valid = [d for d in range(1, t.prompts_per_step + 1) if t.prompts_per_step % d == 0 and (batch // d) % W == 0]
-        raise ValueError(f"reward.async_chunks={C} gives chunks of {batch // C} rollouts, not divisible by distributed.num_workers={W}; valid: {valid}")
+    if dp > 1 and (batch // C) % dp:
+        valid = [d for d in range(1, t.prompts_per_step + 1) if t.prompts_per_step % d == 0 and (batch // d) % dp == 0]
+        over = f"distributed.num_workers={W}" if dp == W else f"the {dp} data-parallel groups"
+        raise ValueError(f"reward.async_chunks={C} gives chunks of {batch // C} rollouts, not divisible by {over}; valid: {valid}")
     R, k = int(dist.rollout_replicas), int(dist.max_staleness)
     if R and dist.backend != "ray":
         raise ValueError(f"distributed.rollout_replicas={R} needs distributed.backend=ray (each replica is a Ray actor beside the actor ranks)")

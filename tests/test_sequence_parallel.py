@@ -280,3 +280,17 @@ def test_group_size_below_one_is_a_config_error(tmp_path):
 
     with pytest.raises(ConfigError, match=r"model.sequence_parallel=0 is invalid: it must be"):
         validate(compose(_overrides(tmp_path, tmp_path / "run", "model.sequence_parallel=0")))
+
+
+def test_batch_sizes_split_over_data_parallel_groups_not_ranks():
+    """4 ranks in groups of k = 2 are 2 data-parallel groups: 6 trajectories (3 × 2) split over them although not over 4
+    ranks; 3 trajectories split over neither, and the error names the groups."""
+    from diffrl.recipes import check_sizes
+
+    base = ["experiment=wan_tiny_flow_grpo", "distributed.backend=ray", "distributed.num_workers=4", "model.sequence_parallel=2",
+            "trainer.group_size=2"]
+    check_sizes(compose(base + ["trainer.prompts_per_step=3"]))
+    with pytest.raises(ValueError, match="cannot be split evenly over distributed.num_workers=4:"):
+        check_sizes(compose(base[:-2] + ["model.sequence_parallel=1", "trainer.group_size=2", "trainer.prompts_per_step=3"]))
+    with pytest.raises(ValueError, match=r"over 2 data-parallel groups \(distributed.num_workers=4 / model.sequence_parallel=2\)"):
+        check_sizes(compose(base[:-1] + ["trainer.group_size=3", "trainer.prompts_per_step=1"]))
