@@ -137,7 +137,7 @@ def two_ranks(tmp_path_factory):
     """Every k = 2 result of both ranks (one spawn of two gloo processes serves all parity tests)."""
     folder = tmp_path_factory.mktemp("sp")
     mp.start_processes(_rank_main, args=(_free_port(), str(folder)), nprocs=2, start_method="spawn")
-    return [torch.load(folder / f"rank{r}.pt") for r in range(2)]
+    return [torch.load(folder / f"rank{r}.pt", weights_only=True) for r in range(2)]
 
 
 def _one_process(prefix: str, case) -> dict:
