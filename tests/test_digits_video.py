@@ -1,5 +1,6 @@
 """The digits-video miniature (issue 37): the clip world in closed form, the motion judges on known motions, the reward
-and the gold judge on ground-truth clips, the shipped base's numbers, and a short recipe run that raises gold."""
+and the gold judge on ground-truth clips, the clean-clip prediction, the shipped base's numbers, and a short NFT run
+that raises gold."""
 
 from __future__ import annotations
 
@@ -156,30 +157,66 @@ def test_base_numbers_reproduce_draw_the_prompt_and_leave_room_on_motion():
     scores, _ = evaluate(adapter, prompts, seeds=seeds, num_steps=10, guidance_scale=1.0, metrics=metrics)
     for key, value in meta["base"].items():
         assert scores[f"eval/{key}"] == pytest.approx(value, abs=1e-4), key
-    assert scores["eval/digits_video_gold_identity"] >= 0.18  # chance: 0.1 (binomial std over 480 clips: 0.014)
-    assert scores["eval/digits_video_gold_colour"] >= 0.5  # chance: 1/6
-    assert scores["eval/digits_video_gold_direction"] <= 0.8  # imperfect on motion: room for RL
-    assert scores["eval/digits_video_gold"] <= 0.5
+    assert scores["eval/digits_video_gold_identity"] >= 0.25  # chance: 0.1 (binomial std over 480 clips: 0.014)
+    assert scores["eval/digits_video_gold_colour"] >= 0.8  # chance: 1/6
+    assert 0.5 <= scores["eval/digits_video_gold_direction"] <= 0.85  # moves, imperfectly: room for RL
+    assert scores["eval/digits_video_gold_consistency"] <= 0.3
+    assert 0.03 <= scores["eval/digits_video_gold"] <= 0.2
+
+
+# -- the clean-clip prediction ------------------------------------------------------------------------------------
+def test_clean_clip_prediction_returns_the_velocity_of_its_clean_clip(tmp_path):
+    """The transformer's output x̂0 becomes the velocity (x_σ − x̂0)/max(σ, 0.05): the Euler step of size σ from x_σ
+    lands exactly on x̂0, at every σ ≥ 0.05; a folder saved without the config key predicts the velocity itself."""
+    from pipelines.digits_video.adapter import MIN_SIGMA, PREDICTION_KEY
+
+    adapter = DigitsVideoAdapter(path=None, seed=0)
+    assert adapter.prediction == "clean" and adapter.denoiser.config[PREDICTION_KEY] == "clean"
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 3, FRAMES, 16, 16, generator=gen)
+    sigma = torch.tensor([1.0, 0.4, 0.01])
+    cond = adapter.encode_prompts(["a red seven moving left"] * 3)
+    with torch.no_grad():
+        raw = adapter.denoiser(hidden_states=x, timestep=1000.0 * sigma, encoder_hidden_states=cond["prompt_embeds"], return_dict=False)[0]
+        v = adapter._forward(x, sigma, cond)
+    assert raw.abs().max() > 0.1
+    landed = x - sigma.clamp_min(MIN_SIGMA).view(-1, 1, 1, 1, 1) * v  # Euler from σ to σ − max(σ, 0.05)
+    torch.testing.assert_close(landed, raw, rtol=1e-5, atol=1e-5 * raw.abs().max().item())
+    # saved and loaded: the key travels in transformer/config.json; without it, the output is the velocity
+    adapter.save_pretrained(tmp_path / "clean")
+    assert DigitsVideoAdapter(path=str(tmp_path / "clean")).prediction == "clean"
+    config = tmp_path / "clean" / "transformer" / "config.json"
+    config.write_text(json.dumps({k: v for k, v in json.loads(config.read_text()).items() if k != PREDICTION_KEY}))
+    old = DigitsVideoAdapter(path=str(tmp_path / "clean"))
+    assert old.prediction == "velocity"
+    with torch.no_grad():
+        torch.testing.assert_close(old._forward(x, sigma, cond), raw)
+    config.write_text(json.dumps({**json.loads(config.read_text()), PREDICTION_KEY: "noise"}))
+    with pytest.raises(ValueError, match=r"_diffrl_prediction='noise' must be 'velocity' or 'clean'"):
+        DigitsVideoAdapter(path=str(tmp_path / "clean"))
 
 
 # -- the recipe ---------------------------------------------------------------------------------------------------
 SHORT_RUN_PROMPTS = ["a blue three moving up", "a magenta five moving left"]
 
 
-def test_a_short_flow_grpo_run_raises_the_reward_on_held_out_seeds(tmp_path):
-    """Flow-GRPO from the recipe, shrunk to two prompts, 8 steps: the training reward rises on the run's own held-out
-    evaluation seeds, and the evaluation before training is the shipped base's. (Gold, which asks all four properties
-    of every clip at once, does not move on this base in so short a run: benchmarks/RESULTS.md.)"""
+def test_a_short_nft_run_raises_gold_on_held_out_seeds(tmp_path):
+    """DiffusionNFT from its recipe (the one that learns gold, +19.8 points in 120 steps: benchmarks/RESULTS.md), shrunk
+    to two prompts and 10 steps: on the run's own held-out evaluation seeds (2 prompts × 16) gold rises from 0 by at
+    least 3 clips in 32 with none lost, and the training reward rises with it."""
     from diffrl.tools.cli import main
 
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("\n".join(SHORT_RUN_PROMPTS) + "\n")
     out = tmp_path / "run"
     rc = main([
-        "train", "experiment=digits_video_flow_grpo", f"trainer.prompts={prompts}", f"trainer.output_dir={out}", "trainer.wandb=disabled",
-        "trainer.progress=false", "trainer.steps=8", "trainer.prompts_per_step=2", "trainer.group_size=8", "algorithm.lr=3e-3",
-        "eval.every=8", "eval.seeds_per_prompt=8", "trainer.checkpoint_every=0", "trainer.threads=1",
+        "train", "experiment=digits_video_nft", f"trainer.prompts={prompts}", f"trainer.output_dir={out}", "trainer.wandb=disabled",
+        "trainer.progress=false", "trainer.steps=10", "trainer.prompts_per_step=2", "trainer.group_size=8",
+        "eval.every=10", "eval.seeds_per_prompt=16", "trainer.checkpoint_every=0", "trainer.threads=1",
     ])
     assert rc in (0, None)
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["reward_after"] - summary["reward_before"] >= 0.03, summary
+    gold = summary["paired_change"]["digits_video_gold"]
+    assert summary["gold_accuracy_before"] <= 0.05, summary  # these prompts' clips are rarely right on the base
+    assert gold["mean_change"] >= 3 / 32 and gold["worsened_fraction"] == 0.0, gold
+    assert summary["reward_after"] - summary["reward_before"] >= 0.05, summary

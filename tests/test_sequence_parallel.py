@@ -60,14 +60,18 @@ def _lora_transformers(family: str, sp):
     return adapter
 
 
+# latents of one video per family: Wan's 16×2×8×8 (32 tokens); the digits-video miniature's pixel clips 3×8×16×16 (64)
+LATENTS = {"wan": (16, 2, 8, 8), "wan22": (16, 2, 8, 8), "digits_video": (3, 8, 16, 16)}
+
+
 def _model_case(family: str, sp) -> dict:
-    """One forward and backward of the denoiser on a batch of two videos (16×2×8×8 latents: 32 tokens) at two noise
+    """One forward and backward of the denoiser on a batch of two videos (:data:`LATENTS`) at two noise
     levels (Wan2.2: one sample on each expert) with a fixed random cotangent; gradients summed over the group."""
     adapter = _lora_transformers(family, sp)
     module = adapter.denoiser
     gen = torch.Generator().manual_seed(2)
-    latents = torch.randn(2, 16, 2, 8, 8, generator=gen)
-    text = torch.randn(2, 7, 32, generator=gen)
+    latents = torch.randn(2, *LATENTS[family], generator=gen)
+    text = torch.randn(2, 7, module.config.text_dim, generator=gen)
     timestep = torch.tensor([950.0, 300.0])
     out = module(hidden_states=latents, timestep=timestep, encoder_hidden_states=text, return_dict=False)[0]
     (out * torch.randn(out.shape, generator=gen)).sum().backward()
@@ -125,8 +129,9 @@ def _rank_main(rank: int, port: int, folder: str) -> None:
     torch.set_num_threads(1)
     parallel.init_distributed(rank, 2, "127.0.0.1", port, "gloo", timeout_s=120)
     sp = sequence_parallel.new_groups(2)
-    results = {f"wan/{k}": v for k, v in _model_case("wan", sp).items()}
-    results.update({f"wan22/{k}": v for k, v in _model_case("wan22", sp).items()})
+    results = {}
+    for family in LATENTS:
+        results.update({f"{family}/{k}": v for k, v in _model_case(family, sp).items()})
     results.update({f"engine/{k}": v for k, v in _engine_case(2).items()})
     torch.save(results, Path(folder) / f"rank{rank}.pt")
     torch.distributed.destroy_process_group()
@@ -146,7 +151,7 @@ def _one_process(prefix: str, case) -> dict:
     return {f"{prefix}/{k}": v for k, v in case().items()}
 
 
-@pytest.mark.parametrize("family", ["wan", "wan22"])
+@pytest.mark.parametrize("family", list(LATENTS))
 def test_transformer_outputs_and_lora_gradients_equal_one_rank(two_ranks, family):
     want = _one_process(family, lambda: _model_case(family, None))
     for rank, got in enumerate(two_ranks):

@@ -271,7 +271,7 @@ def check_config(model, sampler, *, num_workers: int, backend: str) -> None:
     layout = getattr(family_class(model.family), "sequence_layout", None)
     if layout is None:
         raise ValueError(f"model.sequence_parallel={k} splits a video's tokens over ranks; model family {model.family!r} is not a video "
-                         "family (sequence parallelism: wan, wan22); set model.sequence_parallel=1")
+                         "family (sequence parallelism: wan, wan22, digits_video); set model.sequence_parallel=1")
     if backend != "ray" or num_workers % k:
         raise ValueError(f"model.sequence_parallel={k} needs ranks in groups of {k}: distributed.backend=ray with distributed.num_workers a "
                          f"multiple of {k} (ranks = data-parallel groups × {k}); got backend={backend} with {num_workers} worker(s)")

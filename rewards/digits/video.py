@@ -16,9 +16,11 @@ For a clip ``x`` with frames ``x_f`` and prompt ``(d, c, m)``:
   consecutive frames' digit distributions (1 when every frame reads as the same digit with the same certainty);
 - ``digits_video = (I + C + M + K) / 4`` in [0, 1] (``combine="mean"``, the default) or ``I · C · M · K``
   (``combine="product"``, the probability that all four hold if they were independent), with the four factors as
-  extra outputs ``digits_video_identity`` etc. On the shipped base the product is about 0.01 with a spread of 0.02
-  within a group, and Flow-GRPO on it did not move any property in 40 steps (``benchmarks/RESULTS.md``); the mean
-  gives every property its own signal.
+  extra outputs ``digits_video_identity`` etc. On the first base the product was about 0.01 with a spread of 0.02
+  within a group and Flow-GRPO moved nothing in 40 steps; on the shipped (second) base it keeps gold identity where
+  the mean lets Flow-GRPO trade it away, but moves gold little (``benchmarks/RESULTS.md``). The mean gives every
+  property its own signal; its identity factor can be fooled (the frame CNN reads digits in frames the gold judge
+  does not), which Flow-GRPO finds and DiffusionNFT on the same reward does not.
 
 The gold judge (``rewards.digits.video_judge``) measures the same four properties another way and shares no weights
 or data with this reward.
