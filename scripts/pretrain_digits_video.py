@@ -282,6 +282,9 @@ def main(argv=None) -> None:
 
     t0 = time.time()
     if args.reuse_reward_nets:
+        missing = [str(out / f) for f in ("metadata.json", "reward_frames", "reward_motion") if not (out / f).exists()]
+        if missing:
+            ap.error(f"--reuse-reward-nets needs a folder made by this script; missing {', '.join(missing)} (copy them from assets/digits_video or drop the flag)")
         old = json.loads((out / "metadata.json").read_text())
         frames_meta, motion_meta = old["reward_frames"], old["reward_motion"]
     else:
