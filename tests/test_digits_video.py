@@ -159,9 +159,9 @@ def test_base_numbers_reproduce_draw_the_prompt_and_leave_room_on_motion():
         assert scores[f"eval/{key}"] == pytest.approx(value, abs=1e-4), key
     assert scores["eval/digits_video_gold_identity"] >= 0.25  # chance: 0.1 (binomial std over 480 clips: 0.014)
     assert scores["eval/digits_video_gold_colour"] >= 0.8  # chance: 1/6
-    assert 0.5 <= scores["eval/digits_video_gold_direction"] <= 0.85  # moves, imperfectly: room for RL
-    assert scores["eval/digits_video_gold_consistency"] <= 0.3
-    assert 0.03 <= scores["eval/digits_video_gold"] <= 0.2
+    assert 0.5 <= scores["eval/digits_video_gold_direction"] <= 0.8  # moves, imperfectly: room for RL
+    assert scores["eval/digits_video_gold_consistency"] <= 0.6
+    assert 0.1 <= scores["eval/digits_video_gold"] <= 0.25  # the recipes' +20 points need the room
 
 
 # -- the clean-clip prediction ------------------------------------------------------------------------------------
@@ -197,13 +197,13 @@ def test_clean_clip_prediction_returns_the_velocity_of_its_clean_clip(tmp_path):
 
 
 # -- the recipe ---------------------------------------------------------------------------------------------------
-SHORT_RUN_PROMPTS = ["a blue three moving up", "a magenta five moving left"]
+SHORT_RUN_PROMPTS = ["a magenta two moving left", "a blue nine moving left"]
 
 
 def test_a_short_nft_run_raises_gold_on_held_out_seeds(tmp_path):
-    """DiffusionNFT from its recipe (the one that learns gold, +19.8 points in 120 steps: benchmarks/RESULTS.md), shrunk
-    to two prompts and 10 steps: on the run's own held-out evaluation seeds (2 prompts × 16) gold rises from 0 by at
-    least 3 clips in 32 with none lost, and the training reward rises with it."""
+    """DiffusionNFT from its recipe (+41.5 gold points in 120 steps: benchmarks/RESULTS.md), shrunk to two prompts and
+    10 steps: on the run's own held-out evaluation seeds (2 prompts × 16) gold rises by at least 4 clips in 32 (3 → 11
+    at 1 thread on the work machine) with at most one lost, and the training reward rises with it."""
     from diffrl.tools.cli import main
 
     prompts = tmp_path / "prompts.txt"
@@ -217,6 +217,6 @@ def test_a_short_nft_run_raises_gold_on_held_out_seeds(tmp_path):
     assert rc in (0, None)
     summary = json.loads((out / "summary.json").read_text())
     gold = summary["paired_change"]["digits_video_gold"]
-    assert summary["gold_accuracy_before"] <= 0.05, summary  # these prompts' clips are rarely right on the base
-    assert gold["mean_change"] >= 3 / 32 and gold["worsened_fraction"] == 0.0, gold
+    assert summary["gold_accuracy_before"] <= 0.15, summary  # these prompts' clips are rarely right on the base
+    assert gold["mean_change"] >= 4 / 32 and gold["worsened_fraction"] <= 1 / 32, gold
     assert summary["reward_after"] - summary["reward_before"] >= 0.05, summary

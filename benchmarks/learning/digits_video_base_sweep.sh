@@ -15,11 +15,13 @@ run() {
 OLD="--prediction velocity --direction-noise 0.5 --colour-noise 0.3 --lr 1e-3 --lr-schedule constant --warmup 0"  # the first base
 run old       $OLD --max-steps 2400 --eval-every 1200
 run oldlong   $OLD --max-steps 40000 --eval-every 4000
-run shipped   --max-steps 2800 --eval-every 1400
-run long12k   --max-steps 12000 --eval-every 2400
-run long40k   --max-steps 40000 --eval-every 4000
-run velocity  --prediction velocity --max-steps 2800 --eval-every 1400
-run wide      --heads 8 --ffn 512 --max-steps 12000 --eval-every 2400
-run noisy     --direction-noise 0.5 --colour-noise 0.3 --max-steps 12000 --eval-every 2400
+SECOND="--lr-schedule cosine --direction-noise 0.2"  # the second base's settings (the rows of RESULTS.md's sweep table)
+run second    $SECOND --max-steps 2800 --eval-every 1400
+run long12k   $SECOND --max-steps 12000 --eval-every 2400
+run long40k   $SECOND --max-steps 40000 --eval-every 4000
+run velocity  $SECOND --prediction velocity --max-steps 2800 --eval-every 1400
+run wide      $SECOND --heads 8 --ffn 512 --max-steps 12000 --eval-every 2400
+run noisy     $SECOND --direction-noise 0.5 --colour-noise 0.3 --max-steps 12000 --eval-every 2400
+run third     --max-steps 2800 --eval-every 1400  # the script's defaults: the shipped third base
 wait
 grep -h '"base' "$out"/*.log
