@@ -61,21 +61,27 @@ def _fake_phases(tr):
     return out
 
 
-@pytest.mark.parametrize("overrides", [
-    [],  # the default digits recipe: LoRA, Flow-GRPO
-    ["model=sd3_tiny", "+model.options.max_sequence_length=16", "sampler.height=32", "sampler.width=32", "sampler.guidance_scale=4.5",
-     "model.activation_checkpointing=true", "algorithm.micro_batch_size=4", "trainer.prompts_per_step=2", "trainer.group_size=4"],
+SP_TINY = ["experiment=wan_tiny_flow_grpo", "+model.options.num_frames=9", "sampler.height=64", "sampler.width=64", "trainer.prompts_per_step=2",
+           "trainer.group_size=4"]  # 3 latent frames × 4 × 4 patches = 48 video tokens per sample, 2 heads
+
+
+@pytest.mark.parametrize("overrides,gpus", [
+    ([], 1),  # the default digits recipe: LoRA, Flow-GRPO
+    (["model=sd3_tiny", "+model.options.max_sequence_length=16", "sampler.height=32", "sampler.width=32", "sampler.guidance_scale=4.5",
+      "model.activation_checkpointing=true", "algorithm.micro_batch_size=4", "trainer.prompts_per_step=2", "trainer.group_size=4"], 1),
+    ([*SP_TINY, "model.sequence_parallel=2"], 2),  # one rank of a sequence-parallel pair: half of each sample's tokens
 ])
-def test_trace_equals_the_real_run_at_tiny_shape(overrides):
+def test_trace_equals_the_real_run_at_tiny_shape(overrides, gpus):
     """The same step on fake tensors (the plan) and on real ones (a live-storage tracker): parameters, every
-    phase's peak above its start and the bytes left after it agree within 10 % (CPU bytes, no 512-byte rounding)."""
-    cfg, _ = planner.plan_config(overrides, 1)
-    tr = planner.trace_recipe(cfg, 1, allocation_unit=1)
+    phase's peak above its start and the bytes left after it agree within 10 % (CPU bytes, no 512-byte rounding).
+    With sequence parallelism both run one rank of the group, its collectives as local copies of the same shapes."""
+    cfg, _ = planner.plan_config(overrides, gpus)
+    tr = planner.trace_recipe(cfg, gpus, allocation_unit=1)
     fake = _fake_phases(tr)
     real = RealBytes()
     torch.manual_seed(0)
-    with real:
-        sizes = planner.step_recipe(cfg, 1, real.phase)
+    with real, planner._local_collectives():
+        sizes = planner.step_recipe(cfg, gpus, real.phase)
     params = sum(v for k, v in sizes["categories"].items() if k not in ("gradients", "optimizer"))
     assert sizes["categories"]["optimizer"] == pytest.approx(2 * sizes["categories"]["trainable"], rel=0.01)  # AdamW: two moments
     assert real.phases["build"]["after"] == pytest.approx(params, rel=0.10)  # the tracker sees every parameter
@@ -88,6 +94,22 @@ def test_trace_equals_the_real_run_at_tiny_shape(overrides):
         assert f["peak"] - f["after"] == pytest.approx(r["peak"] - r["after"], rel=0.10), name  # the transient: activations, buffers
     assert tr.phases["train"]["peak_bytes"] > tr.phases["build"]["after_bytes"] + sizes["categories"]["gradients"]  # activations above the weights
     assert tr.categories["optimizer"] == sizes["categories"]["optimizer"] > 0
+
+
+def test_sequence_parallel_plans_half_the_transformer_per_rank():
+    """``model.sequence_parallel=2`` on 2 GPUs against 1 GPU whole: the same samples per rank and per step, each rank's
+    training FLOPs (the transformer alone) about half — all but the patch embedding, the condition embedders and the
+    text's cross-attention keys and values, which every rank of the pair computes whole — and its training activations
+    lower; the rollout (VAE decode and text encoder whole on each rank) falls by less."""
+    one = planner.plan(SP_TINY, gpus=1, recommend=False)
+    two = planner.plan([*SP_TINY, "model.sequence_parallel=2"], gpus=2, recommend=False)
+    assert two["images_per_step"] == one["images_per_step"] == 8
+    train = two["train_flops"] / one["train_flops"]
+    assert 0.5 < train < 0.6, train
+    rollout = two["rollout_flops"] / one["rollout_flops"]
+    assert train < rollout < 1.0, (train, rollout)
+    assert two["phases_gib"]["train"] < one["phases_gib"]["train"]
+    assert two["sequence_parallel"] == 2 and "each sample's tokens split over 2 of them" in planner.report(two)
 
 
 def test_trace_flops_closed_forms():
@@ -165,6 +187,9 @@ def test_cli_and_bad_input(capsys, tmp_path):
         (["plan", "model=sd3_tiny", "+model.options.shape=flux_dev"], "has no shape 'flux_dev'"),
         (["plan", "model=sd3_tiny", "model.path=someone/not-a-published-model"], "is not a published shape of family 'sd3'"),
         (["plan", "--mfu", "1.5"], "--mfu must be in (0, 1]"),
+        (["plan", "experiment=wan_tiny_flow_grpo", "model.sequence_parallel=2", "--gpus", "3"], "--gpus must be a multiple of 2, got 3"),
+        (["plan", "model.sequence_parallel=2", "--gpus", "2"], "model family 'digits' is not a video family"),
+        (["plan", "experiment=wan_tiny_flow_grpo", "model.sequence_parallel=2", "model.fsdp=false", "--gpus", "2"], "add model.fsdp=true"),
     ]:
         assert main(argv) == 2
         err = capsys.readouterr().err.strip().splitlines()

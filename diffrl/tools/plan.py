@@ -11,7 +11,11 @@ that ran are counted.
 
 Per rank of ``--gpus N`` (``distributed.num_workers=N`` sharding the batch; with ``model.fsdp`` the parameters,
 gradients and optimizer states are FSDP2-sharded ``1/N``, plus two blocks gathered whole for prefetch; with
-``model.param_offload`` those live on the host):
+``model.param_offload`` those live on the host). With ``model.sequence_parallel=k`` the N ranks form N/k data-parallel
+groups of k: one rank of a group is traced on its group's samples with the video transformers split as the run splits
+them (:mod:`diffrl.engine.sequence_parallel`; its all-to-alls and gathers run as local copies of the same shapes), so
+the transformer's activations and FLOPs are the rank's 1/k while the trajectories, the VAE and the text encoders stay
+whole:
 
 * peak memory by phase and by category (weights, trainable parameters, gradients, optimizer states, other
   adapters, VAE and text encoders, and the activations and rollout buffers above them);
@@ -36,6 +40,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from diffusers.models import modeling_utils
 from omegaconf import OmegaConf, open_dict
 
@@ -43,6 +48,7 @@ from diffrl.algorithms import build_algorithm
 from diffrl.data import run_prompts, step_prompts
 from diffrl.distributed import build_worker_group
 from diffrl.distributed.workers import ActorRolloutRefWorker
+from diffrl.engine import sequence_parallel
 from diffrl.engine import trace as tracing
 from diffrl.engine.flops import DEVICE_PEAK_FLOPS
 from diffrl.recipes import compose, validate
@@ -104,6 +110,11 @@ def plan_config(overrides: list[str], gpus: int):
     if gpus < 1:
         raise PlanError(f"--gpus must be ≥ 1, got {gpus}")
     cfg = compose(overrides)
+    k = int(cfg.model.sequence_parallel)
+    if gpus % k:
+        raise PlanError(f"model.sequence_parallel={k} splits each sample over {k} GPUs: --gpus must be a multiple of {k}, got {gpus}")
+    if k > 1 and not cfg.model.fsdp:
+        raise PlanError(f"model.sequence_parallel={k} runs on ranks sharded with FSDP2: add model.fsdp=true")
     with open_dict(cfg):
         cfg.distributed.num_workers = gpus
         family = cfg.model.family
@@ -119,6 +130,7 @@ def plan_config(overrides: list[str], gpus: int):
     cfg = validate(cfg, hub_cache=False)  # nothing is loaded: the plan needs no cached weights
     try:
         check_sizes(cfg)
+        sequence_parallel.check_config(cfg.model, cfg.sampler, num_workers=gpus, backend="ray")  # family, heads, tokens
     except ValueError as exc:
         raise PlanError(f"{exc} (planning --gpus {gpus})") from None
     return cfg, shape
@@ -175,16 +187,23 @@ def step_recipe(cfg, gpus: int, phase, memo=lambda adapter: contextlib.nullconte
     if levels:
         cfg = copy.copy(cfg)
         cfg.algorithm = dataclasses.replace(cfg.algorithm, **{k: 1 for k in levels})
+    k = int(cfg.model.sequence_parallel)
+    if k > 1:  # the worker is built whole on one process; its transformers are split below
+        cfg = copy.copy(cfg)
+        cfg.model = dataclasses.replace(cfg.model, sequence_parallel=1)
     run = run_context(cfg)
     algorithm = build_algorithm(cfg.algorithm, run)
     config = worker_config(cfg, algorithm)
     prompts, _, _ = run_prompts(cfg)
-    per_rank = t.prompts_per_step * t.group_size // gpus
+    per_rank = t.prompts_per_step * t.group_size // (gpus // k)  # a group's samples: every rank of it holds them all
     with phase("build"):
         group = build_worker_group(ActorRolloutRefWorker, config, backend="local", num_workers=1)
         group.init_model()
     worker = group.executor.worker  # the local executor's one worker
     adapter = worker.engine.adapter
+    if k > 1:
+        for transformer in adapter.sequence_parallel_transformers():
+            sequence_parallel.apply_wan(transformer, sequence_parallel.SequenceParallel(None, k, 0))
     if prompts is None:
         prompts = group.default_prompts() or ["a photograph"]
     step = step_prompts(prompts, 0, t.prompts_per_step, t.seed)
@@ -231,10 +250,31 @@ def _eager_loading():
         modeling_utils._LOW_CPU_MEM_USAGE_DEFAULT = previous
 
 
+@contextlib.contextmanager
+def _local_collectives():
+    """torch.distributed's all-to-all and all-gather as local copies into the buffers the caller allocated, so that one
+    rank of a sequence-parallel group is traced without a process group: the shapes, bytes and FLOPs around them are the
+    rank's (the bytes they move between GPUs are time, not memory)."""
+    saved = dist.all_to_all_single, dist.all_gather
+
+    def all_to_all_single(output, input, *args, **kwargs):
+        output.copy_(input)
+
+    def all_gather(outputs, input, *args, **kwargs):
+        for out in outputs:
+            out.copy_(input)
+
+    dist.all_to_all_single, dist.all_gather = all_to_all_single, all_gather
+    try:
+        yield
+    finally:
+        dist.all_to_all_single, dist.all_gather = saved
+
+
 def trace_recipe(cfg, gpus: int, *, allocation_unit: int = tracing.ALLOCATION_UNIT) -> Trace:
     """Step one rank of the recipe on fake tensors (:func:`step_recipe` under :func:`diffrl.engine.trace.shape_trace`)."""
     start = time.perf_counter()
-    with _eager_loading(), tracing.shape_trace(allocation_unit=allocation_unit) as trace:
+    with _eager_loading(), _local_collectives(), tracing.shape_trace(allocation_unit=allocation_unit) as trace:
         sizes = step_recipe(cfg, gpus, trace.phase, lambda adapter: tracing.memoised_forward(adapter, trace))
     phases = trace.phases
     # the traced update ran `trained_samples` trajectories on one trained step; a step runs per_rank on every trained step
@@ -322,7 +362,7 @@ def estimate(tr: Trace, cfg, shape: str, gpus: int, peak_flops: float, mfu: floa
     rollout_s = tr.rollout_flops / (mfu_r * peak_flops)
     train_s = tr.train_flops / (mfu_t * peak_flops)
     step_s = rollout_s + train_s
-    images = tr.images_per_rank * gpus
+    images = tr.images_per_rank * (gpus // int(cfg.model.sequence_parallel))  # the data-parallel groups' samples
     return {"rollout_flops": tr.rollout_flops, "train_flops": tr.train_flops, "rollout_mfu": mfu_r, "train_mfu": mfu_t, "mfu_source": source,
             "rollout_s": rollout_s, "train_s": train_s, "step_s": step_s, "images_per_s": images / step_s, "images_per_step": images}
 
@@ -336,7 +376,8 @@ def candidates(cfg, gpus: int) -> list[tuple[str, list[str], int, tuple]]:
     tuple: every phase)."""
     out = []
     t, a, m = cfg.trainer, cfg.algorithm, cfg.model
-    per_rank = t.prompts_per_step * t.group_size // gpus
+    k = int(m.sequence_parallel)
+    per_rank = t.prompts_per_step * t.group_size // (gpus // k)
     micro = int(a.micro_batch_size or per_rank)
     for _ in range(3):  # halving up to three times (then ÷8)
         if micro > 1:
@@ -364,7 +405,7 @@ def candidates(cfg, gpus: int) -> list[tuple[str, list[str], int, tuple]]:
         out.append(("together: " + ", ".join(c[0] for c in last.values()), [o for c in last.values() for o in c[1]], gpus, ()))
     batch, n = t.prompts_per_step * t.group_size, gpus * 2
     while n <= 64:
-        if batch % n == 0 and (a.mini_batch_size or batch) % n == 0:
+        if batch % (n // k) == 0 and (a.mini_batch_size or batch) % (n // k) == 0:
             out.append((f"{n} GPUs (FSDP2)", ["model.fsdp=true"], n, ()))
         n *= 2
     return out
@@ -381,6 +422,7 @@ def plan(overrides: list[str], *, gpus: int = 1, gpu: str = "h100", gpu_memory_g
     rank = per_rank(tr, cfg, gpus)
     result = {
         "recipe": cfg.experiment, "overrides": list(overrides), "shape": shape, "gpus": gpus, "gpu": name, "gpu_memory_gib": budget_gb,
+        "sequence_parallel": int(cfg.model.sequence_parallel),
         "peak_gib": rank["peak_bytes"] / GiB, "peak_phase": rank["peak_phase"], "phases_gib": {k: v / GiB for k, v in rank["phases"].items()},
         "resident_gib": {k: v / GiB for k, v in rank["resident"].items()}, "fsdp_sharded": rank["sharded"],
         "fits": rank["peak_bytes"] / GiB <= budget_gb, "trace_seconds": tr.trace_s, **estimate(tr, cfg, shape, gpus, peak, mfu),
@@ -427,7 +469,8 @@ def _flops(x: float) -> str:
 def report(r: dict) -> str:
     """The plan as text."""
     lines = [
-        f"diffrl plan: {r['recipe']} at shape {r['shape']} on {r['gpus']} × {r['gpu']} ({r['gpu_memory_gib']:.1f} GiB each)",
+        f"diffrl plan: {r['recipe']} at shape {r['shape']} on {r['gpus']} × {r['gpu']} ({r['gpu_memory_gib']:.1f} GiB each)"
+        + (f", each sample's tokens split over {r['sequence_parallel']} of them" if r["sequence_parallel"] > 1 else ""),
         f"  peak per GPU {r['peak_gib']:.2f} GiB in {r['peak_phase']} → {'fits' if r['fits'] else 'DOES NOT FIT'}"
         + (" (FSDP2-sharded)" if r["fsdp_sharded"] else ""),
         "  by phase: " + ", ".join(f"{k} {v:.2f}" for k, v in r["phases_gib"].items()) + " GiB",
