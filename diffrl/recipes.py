@@ -100,6 +100,21 @@ def schema(trainer: str = "policy_gradient") -> DictConfig:
     return root
 
 
+def run_schema(node: Any) -> DictConfig:
+    """The root schema that a run's stored config (``config.yaml``, a plain mapping or untyped ``DictConfig``) fits:
+    its ``algorithm`` typed by the class that ``algorithm.trainer`` names (NFT's keys under ``NFTConfig``, …), the
+    policy-gradient one when the run names none.
+
+    Raises:
+        ConfigError: the run names an algorithm class this diffrl does not register.
+    """
+    algorithm = node.get("algorithm") if isinstance(node, (DictConfig, dict)) else None
+    try:
+        return schema(group_class(algorithm or {}, _groups()))
+    except ValueError as exc:
+        raise ConfigError(f"{exc} (algorithm.trainer of the run's config)") from None
+
+
 def _groups() -> list[str]:
     """The algorithm groups: ``configs/algorithm/*.yaml``."""
     return sorted(path.stem for path in (CONFIG_DIR / "algorithm").glob("*.yaml"))
@@ -233,10 +248,7 @@ def to_config(cfg: DictConfig | Config) -> Config:
         moved = _moved_keys_in(node)
         if moved:
             raise ConfigError(moved_key_message(moved[0]))
-        try:
-            cfg = OmegaConf.merge(schema(group_class(node.get("algorithm") or {}, _groups())), cfg)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
+        cfg = OmegaConf.merge(run_schema(node), cfg)
     return OmegaConf.to_object(cfg)
 
 

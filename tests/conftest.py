@@ -8,7 +8,12 @@ import tempfile
 import pytest
 import torch
 
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# pytest-xdist runs one test process per core: each takes one intra-op thread, and so do the processes a test starts
+# (notebook kernels, gloo ranks, Ray workers, `diffrl` subprocesses): two processes of two OpenMP threads each on two
+# cores run ~10× slower than one thread each.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = "1"
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, os.cpu_count() or 1))
 # Tests never touch the network, and a developer's own Hugging Face cache does not leak into them: Hub ids resolve in an
 # empty cache of this session, offline (tests that need a cached model build one in their own HF_HOME, tests/test_hub.py).
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -42,18 +47,24 @@ def randomise_lora(module: torch.nn.Module, scale: float = 0.05, seed: int = 0) 
                 p.copy_(scale * torch.randn(p.shape, generator=g))
 
 
-# Modules whose assertions compare floats computed along different code paths (closed forms, parity, invariance,
-# means of per-sample values). CI runs them a second time under ATEN_CPU_CAPABILITY=default (and avx2 on an
-# AVX-512 machine): a tolerance that holds only with one CPU's kernels then fails in CI, not on a user's machine.
-NUMERICS_MODULES = {
-    "test_sde", "test_sde_kinds", "test_sde_solvers", "test_losses", "test_losses_algorithms", "test_advantages", "test_awm",
-    "test_parity", "test_paired_change", "test_windows", "test_algorithms", "test_reward_plugins", "test_digits_eps", "test_numerics",
-    "test_cfg_and_rollout", "test_families", "test_family_qwen_image", "test_family_wan", "test_sd15", "test_flops", "test_workers",
-    "test_reward_server", "test_fused_lora", "test_family_wan22", "test_compose_edit_fidelity",
-}
+# Tiers. The README's `python -m pytest` runs the fast tier (`-m "not slow"` in pyproject.toml's addopts): unit, parity,
+# user-surface, architecture and short learning tests. `pytest -m slow` runs the rest (the default recipe end to end,
+# plan vs the H200 measurements, the notebooks, long runs, multi-node Ray); CI runs both. `recipe` implies `slow`.
+#
+# Numerics: every fast test is also a `numerics` test unless its module says `pytestmark = pytest.mark.exact` (it compares no
+# floats computed along different code paths: messages, files, configs, processes). CI runs the numerics tests again
+# under ATEN_CPU_CAPABILITY=default (and avx2 on an AVX-512 CPU): a tolerance that holds only with one CPU's float32
+# kernels then fails in CI, not on a user's machine. A new test module is a numerics module until it says otherwise.
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects and before xdist reads the groups
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if item.module.__name__.rsplit(".", 1)[-1] in NUMERICS_MODULES and item.get_closest_marker("recipe") is None:
+        # a module-scoped fixture (a trained run, two gloo ranks) is built once: its module's tests share one xdist worker
+        defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+        if any(d.scope in ("module", "class") and d.baseid and item.nodeid.startswith(d.baseid) for ds in defs.values() for d in ds):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
+        if item.get_closest_marker("recipe") is not None:
+            item.add_marker(pytest.mark.slow)
+        if item.get_closest_marker("slow") is None and item.get_closest_marker("exact") is None:
             item.add_marker(pytest.mark.numerics)

@@ -6,6 +6,10 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.exact  # messages, files and configs: no floats from different code paths (conftest.py)
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("diffrl", "pipelines", "rewards")
 PROTOCOLS = {"pipelines", "pipelines.base", "rewards", "rewards.base"}

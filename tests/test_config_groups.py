@@ -16,6 +16,8 @@ from diffrl.config import ModelConfig, RewardConfig, SamplerConfig
 from diffrl.recipes import CONFIG_DIR, ConfigError, compose, to_config, validate
 from diffrl.tools.cli import main
 
+pytestmark = pytest.mark.exact  # messages, files and configs: no floats from different code paths (conftest.py)
+
 GROUP_SCHEMAS = {"model": ModelConfig, "sampler": SamplerConfig, "reward": RewardConfig}
 
 

@@ -220,8 +220,8 @@ def test_base_numbers_reproduce_and_are_weak_on_the_hard_types():
     scores = _evaluate(adapter, prompts, seeds, 10, {n: build_reward(n) for n in ("digits_compose", "digits_compose_gold")})
     base = json.loads((COMPOSE_ASSET_DIR / "metadata.json").read_text())["base"]
     assert set(scores) == {f"eval/{k}" for k in base} and len(base) == 2 + len(TASKS)
-    for key, value in base.items():
-        assert abs(scores[f"eval/{key}"] - value) < 1e-6, key
+    for key, value in base.items():  # float32 networks: other CPUs' kernels (AVX-512 vs AVX2) move a mean by ~1e-6
+        assert abs(scores[f"eval/{key}"] - value) < 2e-5, key
     assert scores["eval/digits_compose_gold"] <= 0.6  # room for RL
     easy = min(base[f"digits_compose_gold/{t}"] for t in ("single_object", "colors"))
     assert all(base[f"digits_compose_gold/{t}"] < easy for t in ("counting", "color_attr", "position"))
@@ -250,6 +250,7 @@ def test_recipe_trains_two_steps_and_evaluates_like_the_base_evaluation(tmp_path
         assert summary["eval_before"][key] == pytest.approx(value, abs=1e-6), key
 
 
+@pytest.mark.slow
 def test_pretraining_weights_do_not_depend_on_how_often_it_evaluates(tmp_path):
     """The shipped base was made with --eval-every 500; the defaults evaluate less often and must give the same weights."""
     import hashlib

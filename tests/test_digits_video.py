@@ -15,9 +15,7 @@ from pipelines.digits_video import VIDEO_ASSET_DIR, DigitsVideoAdapter
 from rewards.base import build_reward, call_reward
 from rewards.digits.video import PROPERTIES, DigitsVideoReward
 from rewards.digits.video_data import (
-    DIRECTION_NAMES,
     FRAMES,
-    STILL,
     all_prompts,
     load_digits_8,
     make_prompt,

@@ -12,6 +12,8 @@ from diffrl.recipes import compose
 from diffrl.tools.cli import main
 from diffrl.run_setup import run_context
 
+pytestmark = pytest.mark.exact  # messages, files and configs: no floats from different code paths (conftest.py)
+
 PROMPTS = ["a red seven", "a blue two"]
 
 # every recipe whose update compares the samples of one prompt's group (and the override that selects it)

@@ -17,6 +17,8 @@ from pipelines.base import build_adapter, resolve_model_path
 from rewards.base import build_reward
 from rewards.clip_models import PickScore, openai_clip_tokenizer
 
+pytestmark = pytest.mark.exact  # messages, files and configs: no floats from different code paths (conftest.py)
+
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 TINY_HF_CLIP = {
     "text_config": {"hidden_size": 32, "intermediate_size": 37, "num_attention_heads": 2, "num_hidden_layers": 1},

@@ -136,6 +136,7 @@ def test_trace_flops_closed_forms():
     assert trace.phases["linear"]["after_bytes"] == block(M * K * 4) + block(N * K * 4) + block(M * N * 4)
 
 
+@pytest.mark.slow
 def test_plan_against_the_h200_measurements(tmp_path):
     """One landed H200 run with a training measurement per model (``benchmarks/parity/plan_vs_measured.py`` compares them
     all): the plan of the same configuration within ±15 % of the measured peak, and its step time at the run's

@@ -16,6 +16,8 @@ from diffrl.prompt_sets import geneval as geneval_set
 from rewards.geneval import COLORS, check, parse_prompt, relative_position
 from rewards.ocr import OcrReward, normalise_text, quoted_text
 
+pytestmark = pytest.mark.exact  # messages, files and configs: no floats from different code paths (conftest.py)
+
 GENEVAL_TAG_COUNTS = {"single_object": 80, "two_object": 99, "counting": 80, "colors": 94, "position": 100, "color_attr": 100}
 SIZES = {"geneval": {"train": 2765, "test": 553}, "ocr": {"train": 5000, "test": 1000}, "general": {"train": 2000, "test": 500}}
 # sha256 of "\n".join(prompts), first 16 hex digits: a generator change (or a new Python `random`) shows here

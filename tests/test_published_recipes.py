@@ -15,6 +15,8 @@ from diffrl.prompt_sets import is_prompt_set, load_prompt_set
 from diffrl.recipes import CONFIG_DIR, compose, to_config, validate
 from diffrl.tools.cli import main
 
+pytestmark = pytest.mark.exact  # messages, files and configs: no floats from different code paths (conftest.py)
+
 PUBLISHED = {
     # recipe: (algorithm Config class, model family, Hub model, optimizer steps per RL step)
     "sd35m_geneval_flow_grpo": ("PolicyGradientConfig", "sd3", "stabilityai/stable-diffusion-3.5-medium", 2),

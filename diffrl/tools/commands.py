@@ -45,7 +45,7 @@ from diffrl.data import read_prompts as read_prompt_source
 from diffrl.distributed import build_worker_group
 from diffrl.distributed.workers import ActorRolloutRefWorker
 from diffrl.logging import save_gif, save_grid
-from diffrl.recipes import Config, ConfigError, compose, moved_key_message, upgrade_run_config
+from diffrl.recipes import ConfigError, compose, moved_key_message, run_schema, upgrade_run_config
 from diffrl.sampling.evaluation import eval_prompts_and_seeds
 from diffrl.sampling.evaluator import Evaluator
 from diffrl.resume import RunFolderError
@@ -173,14 +173,13 @@ def load_config(overrides: list[str], run_config: Path | None):
 
     if run_config is None:
         return compose(overrides)
-    schema = OmegaConf.structured(Config)
-    OmegaConf.set_struct(schema, True)
-    for free_form in (schema.model.options, schema.reward.options):  # family / reward kwargs: any key
-        OmegaConf.set_struct(free_form, False)
-    try:
-        cfg = OmegaConf.merge(schema, upgrade_run_config(OmegaConf.to_container(OmegaConf.load(run_config))))
+    stored = upgrade_run_config(OmegaConf.to_container(OmegaConf.load(run_config)))
+    try:  # the schema of the run's own algorithm class (NFT, DPO, AWM … each have their own Config)
+        cfg = OmegaConf.merge(run_schema(stored), stored)
     except OmegaConfBaseException as exc:
-        raise ConfigError(f"{run_config} does not fit this diffrl's config schema ({exc}); add --recipe-config and give the settings as overrides") from None
+        key = getattr(exc, "full_key", None) or "?"
+        raise ConfigError(f"{run_config} does not fit this diffrl's config schema (key '{key}': {str(exc).splitlines()[0]}); "
+                          "add --recipe-config and give the run's settings as overrides") from None
     cfg = apply_overrides(cfg, overrides, run_config)
     OmegaConf.set_struct(cfg, True)
     return cfg

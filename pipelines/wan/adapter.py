@@ -258,7 +258,7 @@ class WanAdapter(LatentFlowFamily):
 
     # -- sequence parallelism (model.sequence_parallel; diffrl.engine.sequence_parallel) ---------------------------
     def sequence_parallel_transformers(self) -> list[torch.nn.Module]:
-        """The ``WanTransformer3DModel``\ s whose video tokens ``model.sequence_parallel`` splits over ranks."""
+        """The ``WanTransformer3DModel`` modules whose video tokens ``model.sequence_parallel`` splits over ranks."""
         return [self.denoiser]
 
     @classmethod

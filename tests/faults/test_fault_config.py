@@ -17,6 +17,8 @@ from diffrl.tools.cli import main
 from diffrl.trainer import Trainer
 
 # through the command line (hydra parsing and the registries): (override, the key the error must name)
+pytestmark = pytest.mark.exact  # messages, files and configs: no floats from different code paths (conftest.py)
+
 COMMAND_LINE_CASES = [
     ("trainer.steps=abc", "trainer.steps"), ("trainer.group_size=1.5", "trainer.group_size"), ("sampler.noise_level=x", "sampler.noise_level"),
     ("trainer.progress=maybe", "trainer.progress"), ("sampler.window_range=7", "sampler.window_range"), ("reward.weights=[a]", "reward.weights"),

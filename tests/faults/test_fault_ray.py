@@ -57,6 +57,7 @@ def _records(run):
     return [{k: v for k, v in r.items() if not k.startswith(("time", "perf/")) and "seconds" not in k} for r in rows if r["kind"] == "train"]
 
 
+@pytest.mark.slow
 def test_lost_rank_restarts_from_the_newest_checkpoint_or_stops_naming_it(tmp_path, cluster, capsys):
     straight = Trainer(compose(_overrides(tmp_path, tmp_path / "straight")))
     straight.fit()

@@ -29,6 +29,8 @@ from tests.faults.reward_server_attacks import ATTACK_LIMITS, good_request, run_
 from rewards.base import RewardError, build_reward
 from rewards.remote import RemoteReward
 
+pytestmark = pytest.mark.exact  # messages, files and configs: no floats from different code paths (conftest.py)
+
 TOKEN = "attack-test-token"
 
 # case → the status it must get (0: the connection is closed without an answer)
