@@ -12,6 +12,7 @@ that names the group it belongs to. :func:`to_config` turns the result into the 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import re
 from dataclasses import dataclass, field
@@ -175,9 +176,40 @@ def upgrade_run_config(node: dict) -> dict:
     return node
 
 
+def did_you_mean(word: str, choices: list[str], n: int = 3) -> str:
+    """`` (did you mean 'a' or 'b'?)`` for the closest few of ``choices`` to ``word`` (by difflib's ratio; ``-`` and ``_``
+    alike), or an empty string when none is close."""
+    norm = {c.replace("-", "_").lower(): c for c in choices}
+    close = [norm[c] for c in difflib.get_close_matches(word.replace("-", "_").lower(), list(norm), n=n, cutoff=0.6)]
+    return f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
+
+
+def _explain_group(text: str) -> str | None:
+    """Hydra's "Could not find 'group/option'" as one line: the option the user typed, the closest options, and the
+    group's options without the internal ``schema_*`` ones and without Hydra's search path."""
+    match = re.search(r"Could not find '(\w+)/([^']+)'", text)
+    if not match:
+        return None
+    group, option = match.groups()
+    options = sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml")) if (CONFIG_DIR / group).is_dir() else []
+    hint = did_you_mean(option, options)
+    listed = f"choose one of: {', '.join(options)}" if len(options) <= 15 or not hint else f"the {len(options)} options are configs/{group}/*.yaml"
+    return f"{group}={option}: no such {group} config{hint}; {listed}"
+
+
+def _unknown_key(full: str, where: str, valid: list[str], see: str) -> str:
+    """An unknown key: the closest valid keys when some are close, else every valid key of its parent."""
+    hint = did_you_mean(full.rsplit(".", 1)[-1], valid)
+    listed = "" if hint else f"; valid keys{where}: {valid}"
+    return f"unknown config key '{full}'{where}{hint}{listed}. Check the spelling (see {see})."
+
+
 def _explain(exc: Exception, overrides: list[str] | None = None) -> str:
     """Turn hydra/omegaconf errors into one message that names the key and the valid choices."""
     text = str(exc)
+    group = _explain_group(text)
+    if group:
+        return group
     moved = [k for k in re.findall(r"\btrainer\.\w+", f"{text} {getattr(exc, 'full_key', None) or ''}") if k in MOVED_KEYS]
     if moved:  # set, appended or deleted: the key is elsewhere now
         return moved_key_message(moved[0])
@@ -193,9 +225,8 @@ def _explain(exc: Exception, overrides: list[str] | None = None) -> str:
                 return (f"config key '{full}' belongs to another algorithm (algorithm={' | '.join(owners)}), not to the one this recipe selects; "
                         f"select its group (algorithm=<name>, or 'override /algorithm: <name>' in a recipe) or drop the key")
             valid = _algorithm_keys(list(overrides or []), full)
-            return f"unknown config key '{full}'{where}; valid keys{where}: {valid}. Check the spelling (the algorithm's Config in diffrl/algorithms/)."
-        valid = _valid_keys(parent)
-        return f"unknown config key '{full}'{where}; valid keys{where}: {valid}. Check the spelling (see diffrl/config.py and the algorithm's module in diffrl/algorithms/)."
+            return _unknown_key(full, where, valid, "the algorithm's Config in diffrl/algorithms/")
+        return _unknown_key(full, where, _valid_keys(parent), "diffrl/config.py and the algorithm's module in diffrl/algorithms/")
     cause = exc.__cause__ or exc.__context__
     if "raised while resolving interpolation" in text and cause is not None:
         return " ".join(str(cause).split())

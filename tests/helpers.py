@@ -29,9 +29,20 @@ def tiny_run_overrides(tmp_path, out, steps, prompts, *extra, checkpoint_every: 
     ]
 
 
-def short_recipe_run(out: Path, experiment: str, steps: int) -> dict:
-    """The first ``steps`` steps of recipe ``experiment`` into ``out``, evaluated before and after on the 60 prompts × 1
-    held-out seed (no progress bar, no wandb); returns its ``summary.json``."""
-    assert main(["train", f"experiment={experiment}", f"trainer.steps={steps}", f"eval.every={steps}", "eval.seeds_per_prompt=1",
-                 f"trainer.checkpoint_every={steps}", "trainer.progress=false", "trainer.wandb=disabled", f"trainer.output_dir={out}"]) == 0
+def short_recipe_run(out: Path, experiment: str, steps: int, *overrides: str, seeds: int = 2) -> dict:
+    """The first ``steps`` steps of recipe ``experiment`` into ``out``, evaluated before and after on the 60 prompts × ``seeds``
+    held-out seeds (no progress bar, no wandb); returns its ``summary.json``, whose ``fidelity`` is the headline under
+    fidelity (``reward.fidelity``: the gold judge reads the sample right *and* it is a real digit) that the learning tests
+    assert, not raw gold, which a run that hacks the reward raises too."""
+    assert main(["train", f"experiment={experiment}", f"trainer.steps={steps}", f"eval.every={steps}", f"eval.seeds_per_prompt={seeds}",
+                 f"trainer.checkpoint_every={steps}", "trainer.progress=false", "trainer.wandb=disabled", f"trainer.output_dir={out}",
+                 *overrides]) == 0
     return json.loads((out / "summary.json").read_text())
+
+
+def fidelity_gain(summary: dict) -> float:
+    """The fidelity headline's gain at the run's last evaluation (``summary["fidelity"]["last_gain"]``), after checking
+    that the evaluations kept the base's diversity (a collapsed run has no headline)."""
+    fidelity = summary["fidelity"]
+    assert fidelity["gain"] is not None, f"the trained evaluations fell below the diversity floor: {fidelity}"
+    return fidelity["last_gain"]

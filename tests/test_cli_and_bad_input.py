@@ -34,6 +34,27 @@ def test_unknown_config_key_is_named():
         compose(["+algorithm.klbeta=0.1"])
 
 
+def test_misspelt_groups_and_keys_get_the_closest_names_not_hydras_internals():
+    """What the user typed, the closest few names and no internal ``schema_*`` option, no Hydra search path, one line."""
+    cases = [
+        (["algorithm=flow-grpo"], "algorithm=flow-grpo: no such algorithm config (did you mean 'flow_grpo'"),
+        (["experiment=digits_ftf"], "experiment=digits_ftf: no such experiment config (did you mean 'digits_nft'"),
+        (["trainer.stepz=3"], "unknown config key 'trainer.stepz' under 'trainer' (did you mean 'steps'?)"),
+    ]
+    for overrides, start in cases:
+        with pytest.raises(ConfigError) as info:
+            compose(overrides)
+        message = str(info.value)
+        assert message.startswith(start), message
+        assert "schema_" not in message and "search path" not in message and "\n" not in message
+    with pytest.raises(ConfigError) as info:  # a long list is named by its folder once a close name is offered
+        compose(["experiment=digits_ftf"])
+    assert "configs/experiment/*.yaml" in str(info.value) and "sd35m_" not in str(info.value)
+    with pytest.raises(ConfigError) as info:  # nothing close: the valid keys
+        compose(["trainer.qqq=1"])
+    assert "did you mean" not in str(info.value) and "'prompts_per_step'" in str(info.value)
+
+
 def test_cli_unknown_key_exits_with_message(capsys):
     assert main(["train", "model.lora.rnk=4"]) == 2
     err = capsys.readouterr().err

@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from helpers import short_recipe_run
+from helpers import fidelity_gain, short_recipe_run
 from test_algorithms import PROMPTS, _trajectories, assert_micro_batch_invariant
 
 from diffrl.algorithms import ALGORITHMS, build_algorithm
@@ -121,11 +121,12 @@ def test_registered_with_its_own_keys_and_one_line_errors(tmp_path, capsys):
 
 @pytest.mark.recipe
 def test_digits_flow_dppo_raises_gold_accuracy_in_a_short_run(tmp_path):
-    """20 steps of the recipe (of its 100): gold accuracy on the 60 prompts × 1 held-out seed rises by ≥ 10 points,
-    and the mask acted (some sample-steps of the later optimizer steps were outside the trust region)."""
+    """20 steps of the recipe (of its 100): the fidelity headline on the 60 prompts × 2 held-out seeds rises (60 × 1
+    seed, 2026-12-06: +8.3 points, gold +15), and the mask acted (some sample-steps of the later optimizer steps were
+    outside the trust region)."""
     out = tmp_path / "dppo"
     summary = short_recipe_run(out, "digits_flow_dppo", 20)
-    assert summary["gold_accuracy_after"] - summary["gold_accuracy_before"] >= 0.10, summary
+    assert fidelity_gain(summary) > 0, summary
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     masked = [r["masked_frac"] for r in rows if "masked_frac" in r]
     assert masked and max(masked) > 0, masked

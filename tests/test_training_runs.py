@@ -43,11 +43,12 @@ def test_same_seed_gives_identical_metrics(tmp_path):
 
 @pytest.mark.recipe
 def test_default_recipe_raises_gold_accuracy(tmp_path):
-    """`diffrl train` with no arguments but the output folder: gold accuracy up by ≥ 25 points."""
+    """`diffrl train` with no arguments but the output folder (README's command 1): the fidelity headline up by ≥ 15 points
+    (published: +20.4) with the diversity kept, not raw gold, which a run that hacks the reward raises too."""
     assert main(["train", f"trainer.output_dir={tmp_path / 'default'}", "trainer.progress=false"]) == 0
     summary = json.loads((tmp_path / "default" / "summary.json").read_text())
     print(json.dumps(summary, indent=2))
-    assert summary["gold_accuracy_after"] - summary["gold_accuracy_before"] >= 0.25, summary
+    assert summary["fidelity"]["gain"] is not None and summary["fidelity"]["gain"] >= 0.15, summary["fidelity"]
     assert summary["reward_after"] > summary["reward_before"]
     train = [r for r in read_jsonl(tmp_path / "default" / "metrics.jsonl") if r["kind"] == "train"]
     assert all(r["first_ratio_mean"] == pytest.approx(1.0, abs=1e-12) for r in train)  # on-policy at every step
