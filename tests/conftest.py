@@ -57,12 +57,19 @@ def randomise_lora(module: torch.nn.Module, scale: float = 0.05, seed: int = 0) 
 # kernels then fails in CI, not on a user's machine. A new test module is a numerics module until it says otherwise.
 
 
+# modules that start Ray clusters or actors
+RAY_MODULES = {"tests/test_scale_out.py", "tests/test_rollout_replicas.py", "tests/test_sequence_parallel.py", "tests/test_ray_cluster.py",
+               "tests/faults/test_fault_ray.py", "tests/test_group_size_errors.py"}
+
+
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects and before xdist reads the groups
 def pytest_collection_modifyitems(config, items):
     for item in items:
         # a module-scoped fixture (a trained run, two gloo ranks) is built once: its module's tests share one xdist worker
         defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
-        if any(d.scope in ("module", "class") and d.baseid and item.nodeid.startswith(d.baseid) for ds in defs.values() for d in ds):
+        if item.nodeid.split("::", 1)[0] in RAY_MODULES:  # one Ray cluster at a time: the Ray modules share one xdist worker
+            item.add_marker(pytest.mark.xdist_group("ray"))
+        elif any(d.scope in ("module", "class") and d.baseid and item.nodeid.startswith(d.baseid) for ds in defs.values() for d in ds):
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
         if item.get_closest_marker("recipe") is not None:
             item.add_marker(pytest.mark.slow)
