@@ -10,6 +10,8 @@ from safetensors.torch import load_file
 from diffrl.logging import read_jsonl
 from diffrl.tools.cli import main
 
+pytestmark = pytest.mark.exact  # runs of one code path compared bit for bit (same seed, same kernels): not a numerics test (conftest.py)
+
 SHORT = ["trainer.steps=3", "trainer.prompts_per_step=2", "trainer.group_size=4", "eval.seeds_per_prompt=1",
          "eval.every=2", "trainer.progress=false", "algorithm.mini_batch_size=4", "sampler.num_steps=4",
          "sampler.eval_num_steps=4", "algorithm.kl_beta=0.01"]

@@ -25,6 +25,8 @@ from diffrl.trainer import RunStopped, Trainer
 from rewards.base import RewardError, register_reward
 from rewards.digits import DigitsReward
 
+pytestmark = pytest.mark.exact  # a resumed run against the uninterrupted one: one code path, bit for bit: not a numerics test (conftest.py)
+
 PROMPTS = ["a red seven", "a blue two"]
 
 
