@@ -2,7 +2,8 @@
 
 A checkpoint is a folder ``<root>/step_<N>/`` holding
 
-* ``model.safetensors`` – the trainable weights (the LoRA "default" adapter, or all weights), plus
+* ``model.safetensors`` – the trainable weights (the LoRA "default" adapter, or all weights; a bf16 full fine-tune's
+  as its fp32 master weights, :mod:`diffrl.engine.precision`, from which the bf16 weights are rounded on load), plus
   every other LoRA adapter (DiffusionNFT's "old", ``eval.ema``'s "ema") so copy/EMA state survives;
 * ``optimizer.safetensors`` + ``optimizer.json`` – AdamW state tensors, param groups and the LR
   scheduler's state;
@@ -108,6 +109,7 @@ def save_engine(engine, root: str | Path, *, global_step: int, extra_state: dict
     root = Path(root)
     final = root / f"step_{global_step:06d}"
     weights = {n: parallel.full_tensor(p.detach()).contiguous().cpu() for n, p in engine.module.named_parameters() if p.requires_grad or "lora_" in n}
+    weights.update({n: parallel.full_tensor(m).contiguous().cpu() for n, m in engine.master_state().items()})  # fp32 masters of bf16 weights
     old = {n: parallel.full_tensor(t).contiguous().cpu() for n, t in engine.old_state().items()}
     optimizer = _optimizer_payload(engine.optimizer) if engine.optimizer is not None else None
     error = None
@@ -243,6 +245,7 @@ def load_engine(engine, path: str | Path, *, hashes: bool = True) -> dict:
         raise CheckpointError(f"checkpoint {path} has other shapes for {shapes[:3]} (another LoRA rank or model size); nothing was loaded")
     for name, value in weights.items():
         parallel.load_full(params[name], value)
+    engine.load_master_state(weights)  # fp32 masters exactly; the bf16 weights rounded from them
     if old_state is not None:
         engine.load_old_state(old_state)
     if optim is not None and engine.optimizer is not None:

@@ -24,7 +24,7 @@ import torch
 from tensordict import TensorDict
 
 from diffrl.config import ModelConfig, OptimConfig, SamplerConfig
-from diffrl.engine import fp8, lora, memory, parallel, sequence_parallel
+from diffrl.engine import fp8, lora, memory, parallel, precision, sequence_parallel
 from diffrl.sampling.sde import is_deterministic, run_step
 
 
@@ -132,6 +132,7 @@ class DiffusionEngine:
         self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
         self._reference_copy = None
         self._old_copy = None
+        self.master_weights: precision.MasterWeights | None = None
         self.sharded = False
         self._fused = None
         self.gradient_scale = 1.0
@@ -151,6 +152,8 @@ class DiffusionEngine:
         if self.initialized:
             return
         module = self.module
+        if not self.uses_lora:  # before any work: every parameter will train
+            precision.check_supported(list(module.named_parameters()), lora=False)
         module.requires_grad_(False)
         if self.uses_lora:
             with torch.random.fork_rng(devices=[]):
@@ -161,6 +164,7 @@ class DiffusionEngine:
                 )
             for p in lora.adapter_parameters(module, "default").values():
                 p.requires_grad_(True)
+            precision.check_supported(list(lora.adapter_parameters(module, "default").items()), lora=True)
         else:
             # the reference of full fine-tuning is a frozen copy of the initial weights
             self._reference_copy = copy.copy(self.adapter)
@@ -173,8 +177,13 @@ class DiffusionEngine:
             self.copy_to_old()
         if self.model.sequence_parallel > 1:
             self._apply_sequence_parallel()
+        masters = precision.MasterWeights.needed(self._named_trainable())
         if self.model.fsdp and parallel.world_size() > 1:
-            parallel.apply_fsdp(module, self.adapter.fsdp_blocks(), param_offload=self.model.param_offload)
+            # bf16 full fine-tuning: gradients reduce-scattered in fp32 (the compute weights stay the bf16 shards)
+            parallel.apply_fsdp(module, self.adapter.fsdp_blocks(), param_offload=self.model.param_offload,
+                                reduce_dtype=precision.MASTER_DTYPE if masters else None)
+            if self._reference_copy is not None:  # full fine-tuning's frozen reference: sharded too (1/N a rank, gathered a block at a time)
+                parallel.apply_fsdp(self._reference_copy.denoiser, self._reference_copy.fsdp_blocks(), param_offload=self.model.param_offload)
             self.sharded = True
         if self.model.fuse_lora_rollout:
             if not self.uses_lora:
@@ -188,7 +197,11 @@ class DiffusionEngine:
             # CUDA graphs: one graph-tree step per prediction (both CFG branches, every block), see ModelAdapter.predict
             self.adapter.cudagraph_steps = self.model.compile_mode == "reduce-overhead"
         o, total = self.optim, self.total_steps
-        self.optimizer = torch.optim.AdamW(self.trainable_parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+        stepped = self.trainable_parameters()
+        if masters:  # fp32 masters of the (sharded) bf16 weights are what AdamW steps (diffrl.engine.precision)
+            self.master_weights = precision.MasterWeights(self._named_trainable())
+            stepped = self.master_weights.stepped
+        self.optimizer = torch.optim.AdamW(stepped, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
         lr_factor(0, o, total)  # validate the schedule before any work
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_factor(step, o, total))
         self.initialized = True
@@ -212,7 +225,24 @@ class DiffusionEngine:
         self.gradient_scale = float(k)
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        """The module's trainable parameters (with fp32 masters: the bf16 working copy, not what the optimizer steps)."""
         return [p for p in self.module.parameters() if p.requires_grad]
+
+    def _named_trainable(self) -> list[tuple[str, torch.nn.Parameter]]:
+        return [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+
+    def stepped_parameters(self) -> list[torch.nn.Parameter]:
+        """What the optimizer steps: the fp32 masters of bf16 weights (``master_weights``), else the trainable parameters."""
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    def master_state(self) -> dict[str, torch.Tensor]:
+        """Name → fp32 master of each bf16 trainable weight (DTensor shards under FSDP2); empty without masters."""
+        return self.master_weights.state() if self.master_weights is not None else {}
+
+    def load_master_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Set the masters from whole tensors (a checkpoint's trainable weights) and round them into the module."""
+        if self.master_weights is not None:
+            self.master_weights.load_state(state)
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
         """Name → whole tensor of every trainable parameter (the LoRA "default" adapter, or all weights);
@@ -322,6 +352,8 @@ class DiffusionEngine:
 
     def to(self, device: str) -> None:
         self.module.to(device)
+        if self.master_weights is not None:
+            self.master_weights.to(device, self.optimizer)
         if hasattr(self.adapter, "text_encoder"):
             self.adapter.text_encoder.to(device)
 
@@ -407,8 +439,11 @@ class DiffusionEngine:
         """Clip and step; ``(grad norm, skipped)``. A non-finite loss or gradient norm (the same on every rank:
         the norm is global) never reaches the optimizer: the gradients are dropped, and the step is skipped
         (``optim.nonfinite=skip``, weights, optimizer and schedule unchanged) or raises ``FloatingPointError``
-        (``stop``)."""
-        params = self.trainable_parameters()
+        (``stop``). With fp32 master weights the bf16 gradients are first moved into the masters', and the norm,
+        clipping and check run on those; the stepped masters are then rounded into the bf16 weights."""
+        if self.master_weights is not None:
+            self.master_weights.collect_grads()
+        params = self.stepped_parameters()
         max_norm = self.optim.max_grad_norm
         if max_norm > 0:
             grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
@@ -417,10 +452,14 @@ class DiffusionEngine:
         grad_norm = parallel.full_tensor(grad_norm)
         if not (torch.isfinite(grad_norm) and math.isfinite(loss)):
             self.optimizer.zero_grad(set_to_none=True)
+            if self.master_weights is not None:
+                self.master_weights.drop_grads()
             if self.optim.nonfinite == "stop":
                 raise FloatingPointError(f"non-finite loss {loss} or gradient norm {grad_norm.item()} (algorithm.nonfinite=stop); the update was not applied")
             return float(grad_norm), True
         self.optimizer.step()
+        if self.master_weights is not None:
+            self.master_weights.write_back()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return float(grad_norm), False

@@ -17,13 +17,25 @@ from torch import nn
 
 
 def attach_lora(module: nn.Module, *, rank: int, alpha: float, dropout: float, target_modules: list[str], adapter_name: str = "default") -> None:
-    """Attach a peft LoRA adapter (B initialised to zero, so the model's output is unchanged)."""
+    """Attach a peft LoRA adapter (B initialised to zero, so the model's output is unchanged), in fp32 whatever the
+    base's dtype (:func:`adapter_to_float32`)."""
     from peft import LoraConfig
 
     config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(target_modules), init_lora_weights=True)
     module.add_adapter(config, adapter_name=adapter_name)
     if not any(f".{adapter_name}." in n or n.endswith(f".{adapter_name}") for n, _ in module.named_parameters()):
         raise RuntimeError(f"LoRA attached to no module of {type(module).__name__}; target_modules={target_modules}")
+    adapter_to_float32(module, adapter_name)
+
+
+def adapter_to_float32(module: nn.Module, adapter_name: str) -> None:
+    """Upcast the LoRA parameters of ``adapter_name`` to fp32 (exact). peft creates an adapter in its base weight's dtype
+    and upcasts it only when asked (``autocast_adapter_dtype``, which diffusers' ``add_adapter`` does not pass), so on a
+    bf16 base the adapters, their AdamW steps and EMAs would be bf16, and a small update would round away. peft's layers
+    cast the input to the adapter's dtype and the sum back to the base's, so the base's compute stays bf16."""
+    for p in adapter_parameters(module, adapter_name).values():
+        if p.is_floating_point() and p.dtype != torch.float32:
+            p.data = p.data.float()
 
 
 def check_lora_experts(experts, adapter_class: type, family: str | None = None) -> None:
@@ -133,6 +145,7 @@ def _ensure_adapter(module: nn.Module, source: str, target: str) -> None:
         with warnings.catch_warnings():  # peft warns that a second adapter is being added: that is the point
             warnings.filterwarnings("ignore", message="Already found a `peft_config` attribute")
             module.add_adapter(configs[source], adapter_name=target)
+        adapter_to_float32(module, target)
         module.set_adapter(active[0] if len(active) == 1 else active)
         for p in adapter_parameters(module, target).values():
             p.requires_grad_(False)

@@ -41,14 +41,23 @@ def init_distributed(rank: int, world_size: int, master_addr: str, master_port: 
     return backend
 
 
-def apply_fsdp(module: nn.Module, blocks: list[nn.Module], *, param_offload: bool = False, reshard_after_forward: bool = True) -> nn.Module:
-    """Shard every block, then the root, with FSDP2 over all ranks (frozen and trainable parameters mix)."""
-    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+def apply_fsdp(module: nn.Module, blocks: list[nn.Module], *, param_offload: bool = False, reshard_after_forward: bool = True,
+               reduce_dtype: torch.dtype | None = None) -> nn.Module:
+    """Shard every block, then the root, with FSDP2 over all ranks (frozen and trainable parameters mix).
+
+    ``reduce_dtype`` (bf16 full fine-tuning: float32) reduce-scatters the gradients in that dtype
+    (``MixedPrecisionPolicy(param_dtype=None, reduce_dtype=…)``): the parameters are gathered and computed in their own
+    dtype, as without a policy, and each rank's fp32 master (:mod:`diffrl.engine.precision`) receives the fp32 sum
+    rounded once to the shard's dtype. No ``param_dtype`` is set on purpose: FSDP2 would then cast every floating input
+    of every sharded module to it (SD3's fp32 ``timestep = 1000·σ``, FLUX's rotary tables), which the unsharded bf16
+    model does not do."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     offload = CPUOffloadPolicy() if param_offload else OffloadPolicy()
+    kwargs = {"mp_policy": MixedPrecisionPolicy(reduce_dtype=reduce_dtype)} if reduce_dtype is not None else {}
     for block in blocks:
-        fully_shard(block, reshard_after_forward=reshard_after_forward, offload_policy=offload)
-    fully_shard(module, reshard_after_forward=reshard_after_forward, offload_policy=offload)
+        fully_shard(block, reshard_after_forward=reshard_after_forward, offload_policy=offload, **kwargs)
+    fully_shard(module, reshard_after_forward=reshard_after_forward, offload_policy=offload, **kwargs)
     return module
 
 

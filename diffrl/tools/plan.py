@@ -17,8 +17,9 @@ them (:mod:`diffrl.engine.sequence_parallel`; its all-to-alls and gathers run as
 the transformer's activations and FLOPs are the rank's 1/k while the trajectories, the VAE and the text encoders stay
 whole:
 
-* peak memory by phase and by category (weights, trainable parameters, gradients, optimizer states, other
-  adapters, VAE and text encoders, and the activations and rollout buffers above them);
+* peak memory by phase and by category (weights, trainable parameters, the fp32 master weights of a bf16 full
+  fine-tune, gradients, optimizer states, other adapters, VAE and text encoders, and the activations and rollout
+  buffers above them);
 * FLOPs of one RL step (the rollout's and the update's: the traced micro-batch × micro-batches × trained
   steps), and the seconds and images/s they take at a per-GPU MFU: the one measured on an H200 for that
   model (:data:`MEASURED_MFU`, its source named) or ``--mfu``;
@@ -170,8 +171,16 @@ def _categories(worker) -> dict:
     optimizer = sum(t.numel() * t.element_size() for state in engine.optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor))
     encoders = sum(_param_bytes(m) for m in getattr(adapter, "text_encoders", {}).values())
     reference = _param_bytes(engine._reference_copy.denoiser) if engine._reference_copy is not None else 0
-    return {"weights": frozen, "trainable": trainable, "gradients": trainable, "optimizer": optimizer, "other_adapters": other_adapters,
-            "reference_copy": reference, "vae": _param_bytes(getattr(adapter, "vae", None)), "text_encoders": encoders}
+    # bf16 full fine-tuning: fp32 masters (4 bytes a weight) are stepped, and their fp32 gradients are the ones that persist
+    master_state = engine.master_state()
+    masters = sum(m.numel() * m.element_size() for m in master_state.values())
+    gradients = sum((master_state[n] if n in master_state else p).numel() * (master_state[n] if n in master_state else p).element_size()
+                    for n, p in denoiser.named_parameters() if p.requires_grad)
+    categories = {"weights": frozen, "trainable": trainable, "gradients": gradients, "optimizer": optimizer, "other_adapters": other_adapters,
+                  "reference_copy": reference, "vae": _param_bytes(getattr(adapter, "vae", None)), "text_encoders": encoders}
+    if masters:  # (absent otherwise: LoRA plans read as before)
+        categories["master_weights"] = masters
+    return categories
 
 
 def step_recipe(cfg, gpus: int, phase, memo=lambda adapter: contextlib.nullcontext()) -> dict:
@@ -312,7 +321,7 @@ def per_rank(tr: Trace, cfg, gpus: int) -> dict:
     c = tr.categories
     sharded = bool(cfg.model.fsdp) and gpus > 1
     keep = (0.0 if cfg.model.param_offload else 1.0 / gpus) if sharded else 1.0
-    static = ("weights", "trainable", "other_adapters", "reference_copy")
+    static = tuple(k for k in ("weights", "trainable", "master_weights", "other_adapters", "reference_copy") if k in c)
     resident = {k: c[k] * keep for k in (*static, "optimizer", "gradients")}
     resident["fsdp_gathered_blocks"] = 2 * tr.block_bytes if sharded else 0
     resident["vae"], resident["text_encoders"] = c["vae"], c["text_encoders"]
