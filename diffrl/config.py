@@ -380,7 +380,7 @@ class EvalConfig:
     CHECKS: ClassVar[dict[str, Check]] = {
         "num_prompts": at_least(1), "every": at_least(0, note="0: only before and after training"), "seeds_per_prompt": at_least(1),
         "seed": at_least(0), "max_grid_images": at_least(1), "ema_decay": between(0, 1, hi_open=True), "ema_every": at_least(1),
-        "stop_when_diverging": at_least(0, note="0: off"),
+        "ema_cadence": one_of("rl_step", "optimizer_step"), "ema_repeats": at_least(1), "stop_when_diverging": at_least(0, note="0: off"),
     }
     prompts: Optional[str] = None
     """evaluation prompts: a built-in set (its test split) or a file; null: the test split of trainer.prompts when it
@@ -397,13 +397,19 @@ class EvalConfig:
     """images in each evaluation grid (and rows of the wandb sample table)"""
     ema: bool = False
     """evaluate an EMA of the trained LoRA (flow_grpo's train.ema): a LoRA adapter "ema", a copy of the initial adapter,
-    moved towards the trained one every ema_every RL steps by ema ← d·ema + (1 − d)·trained with d = min((1 + s)/(10 + s),
+    moved towards the trained one every ema_every steps (ema_cadence) by ema ← d·ema + (1 − d)·trained with d = min((1 + s)/(10 + s),
     ema_decay) after s steps; evaluations, and by default diffrl sample/eval/export-lora of its checkpoints, use it; rollouts
     keep sampling the trained weights (so it is a matter of what is evaluated and exported, not of training)"""
     ema_decay: float = 0.9
     """the EMA's decay once warmed up (flow_grpo: 0.9)"""
     ema_every: int = 8
-    """RL steps between EMA updates (flow_grpo: 8 optimizer steps)"""
+    """steps between EMA updates, counted in ema_cadence's unit (flow_grpo: 8 optimizer steps)"""
+    ema_cadence: str = "rl_step"
+    """rl_step: after RL step s, when s % ema_every == 0, with d(s) | optimizer_step (flow_grpo's EMAModuleWrapper): after
+    optimizer step n of the run (inside the update, at the weights of that step), when (n + 1) % ema_every == 0, with d(n)"""
+    ema_repeats: int = 1
+    """EMA moves per update, each ema ← d·ema + (1 − d)·trained (flow_grpo calls its EMA once per per-GPU micro-batch, so each
+    of its updates is repeated gradient_accumulation_steps times: 2 in its 32-GPU SD3 configs)"""
     select_by: Optional[str] = None
     """keep the best checkpoint by this evaluation metric, a held-out judge the run does not train on (reward.gold or one of
     reward.judges, or any eval/ key; a leading - selects the lowest): each evaluation that beats every earlier one writes a

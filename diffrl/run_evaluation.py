@@ -27,8 +27,46 @@ from rewards.base import build_reward
 
 
 def ema_decay(steps_done: int, decay: float) -> float:
-    """``eval.ema``'s decay after ``steps_done`` RL steps: ``min((1 + s)/(10 + s), decay)`` (flow_grpo's EMA warm-up)."""
+    """``eval.ema``'s decay after ``steps_done`` steps (RL or optimizer steps, ``eval.ema_cadence``):
+    ``min((1 + s)/(10 + s), decay)`` (flow_grpo's EMA warm-up)."""
     return min((1.0 + steps_done) / (10.0 + steps_done), float(decay))
+
+
+def optimizer_step_ema_plan(first_step: int, num_steps: int, every: int, decay: float, repeats: int) -> list[list[float]]:
+    """The EMA moves of ``eval.ema_cadence=optimizer_step`` for ``num_steps`` optimizer steps, the first of them being
+    step ``first_step + 1`` of the run: one list of decays per optimizer step, applied in order right after it.
+
+    flow_grpo's ``EMAModuleWrapper.step(params, n)`` with ``n`` the optimizer steps done moves when
+    ``(n + 1) % every == 0`` with decay ``min((1 + n)/(10 + n), decay)``; its caller runs once per per-GPU micro-batch, so
+    each such ``n`` moves ``repeats`` (= its gradient accumulation steps) times at the weights of optimizer step ``n``.
+    """
+    plan = []
+    for n in range(first_step + 1, first_step + num_steps + 1):
+        plan.append([ema_decay(n, decay)] * repeats if (n + 1) % every == 0 else [])
+    return plan
+
+
+class EmaAfterOptimizerSteps:
+    """The worker group as the algorithm's update sees it under ``eval.ema_cadence=optimizer_step``: ``update_actor``
+    hands the workers, as the control flag ``ema_decays``, the EMA moves to make right after each of its optimizer steps
+    (:func:`optimizer_step_ema_plan`); every other call goes to the group unchanged."""
+
+    def __init__(self, workers: WorkerGroup, evaluation: "RunEvaluation"):
+        self._workers, self._evaluation = workers, evaluation
+
+    def __getattr__(self, name: str):
+        return getattr(self._workers, name)
+
+    def update_actor(self, data):
+        keys = data.keys()
+        if "update_seeds" in keys:
+            num_steps = len(data.get_non_tensor("update_seeds"))
+        elif "mini_batch_size" in keys:
+            num_steps = data.shape[0] // (int(data.get_non_tensor("mini_batch_size")) * self._workers.dp_size)
+        else:
+            num_steps = 1
+        data.set_non_tensor("ema_decays", self._evaluation.plan_optimizer_steps(num_steps))
+        return self._workers.update_actor(data)
 
 
 def eval_line(metrics: dict) -> str:
@@ -63,6 +101,9 @@ class RunEvaluation:
         self.prompts: list | None = None
         self.selection: Selection | None = None
         self.stopped_early: dict | None = None
+        self.optimizer_steps = 0
+        """optimizer steps of the run so far (the EMA of ``eval.ema_cadence=optimizer_step`` counts them)"""
+        self._ema_moves: list[float] = []
 
     def due(self, done: int) -> bool:
         """Whether an evaluation follows RL step ``done`` (every ``eval.every`` steps, and after the last)."""
@@ -93,13 +134,36 @@ class RunEvaluation:
             workers.copy_adapter("default", "ema")
             progress.write("eval.ema: the checkpoint holds no EMA (it was trained without eval.ema); the EMA starts from its weights")
 
-    def update_ema(self, workers: WorkerGroup, steps_done: int) -> dict:
-        """Move the EMA towards the trained LoRA every ``eval.ema_every`` steps; the record's ``ema_decay`` when it moved."""
+    def per_optimizer_step(self) -> bool:
+        """Whether the EMA moves inside the update, after optimizer steps (``eval.ema_cadence=optimizer_step``)."""
+        return bool(self.cfg.eval.ema) and self.cfg.eval.ema_cadence == "optimizer_step"
+
+    def update_workers(self, workers: WorkerGroup):
+        """The workers to hand the algorithm's update: wrapped so that the EMA moves after its optimizer steps under
+        ``eval.ema_cadence=optimizer_step`` (:class:`EmaAfterOptimizerSteps`), else the group itself."""
+        return EmaAfterOptimizerSteps(workers, self) if self.per_optimizer_step() else workers
+
+    def plan_optimizer_steps(self, num_steps: int) -> list[list[float]]:
+        """The EMA moves after the next ``num_steps`` optimizer steps, which it counts (:func:`optimizer_step_ema_plan`)."""
         e = self.cfg.eval
+        plan = optimizer_step_ema_plan(self.optimizer_steps, num_steps, int(e.ema_every), float(e.ema_decay), int(e.ema_repeats))
+        self.optimizer_steps += num_steps
+        self._ema_moves.extend(d for moves in plan for d in moves)
+        return plan
+
+    def update_ema(self, workers: WorkerGroup, steps_done: int) -> dict:
+        """After RL step ``steps_done``: move the EMA towards the trained LoRA every ``eval.ema_every`` RL steps
+        (``eval.ema_repeats`` times); the record's ``ema_decay`` when it moved. Under ``eval.ema_cadence=optimizer_step``
+        the moves were made inside the update; the record has the last one's decay and ``ema_moves``."""
+        e = self.cfg.eval
+        if self.per_optimizer_step():
+            moves, self._ema_moves = self._ema_moves, []
+            return {"ema_decay": moves[-1], "ema_moves": float(len(moves))} if moves else {}
         if not (e.ema and steps_done % e.ema_every == 0):
             return {}
         decay = ema_decay(steps_done, e.ema_decay)
-        workers.ema_update_adapter("default", "ema", decay)
+        for _ in range(int(e.ema_repeats)):
+            workers.ema_update_adapter("default", "ema", decay)
         return {"ema_decay": decay}
 
     # -- selection and early stop (eval.select_by, eval.stop_when_diverging) ------------------------
@@ -143,4 +207,4 @@ class RunEvaluation:
                            selected=selected, stopped_early=self.stopped_early, fidelity_name=self.cfg.reward.fidelity)
 
 
-__all__ = ["RunEvaluation", "ema_decay", "eval_line"]
+__all__ = ["EmaAfterOptimizerSteps", "RunEvaluation", "ema_decay", "eval_line", "optimizer_step_ema_plan"]

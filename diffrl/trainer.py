@@ -257,6 +257,8 @@ class Trainer:
         step = int(state["global_step"])
         self.window.load_state_dict(state["window"])
         self.algorithm.load_state_dict(state)
+        if self.evaluation.per_optimizer_step():  # the EMA's optimizer-step count (eval.ema_cadence=optimizer_step)
+            self.evaluation.optimizer_steps = int(state.get("ema_optimizer_steps", step * self.algorithm.optimizer_steps_per_rl_step()))
         self.workers.update_weights(step)
         before, last = cut_records(self.output_dir, step, int(self.cfg.eval.every or 0), int(self.cfg.trainer.steps))
         return step, before, last
@@ -269,7 +271,7 @@ class Trainer:
             traj, scores, rollout_record = self.driver.rollouts(step, times)
             record.update(rollout_record)
         start = time.perf_counter()
-        result = self.algorithm.update(self.workers, traj, scores, step)
+        result = self.algorithm.update(self.evaluation.update_workers(self.workers), traj, scores, step)
         record.update(self.evaluation.update_ema(self.workers, step + 1))
         self.workers.update_weights(step + 1)
         self.window.advance()
@@ -301,4 +303,7 @@ class Trainer:
 
     def trainer_state(self) -> dict:
         """JSON state saved next to the weights: what a resume needs beyond the engine."""
-        return {"experiment": self.cfg.experiment, "fingerprint": fingerprint(self.cfg, self.algorithm), "window": self.window.state_dict(), **self.algorithm.state_dict()}
+        state = {"experiment": self.cfg.experiment, "fingerprint": fingerprint(self.cfg, self.algorithm), "window": self.window.state_dict(), **self.algorithm.state_dict()}
+        if self.evaluation.per_optimizer_step():
+            state["ema_optimizer_steps"] = self.evaluation.optimizer_steps
+        return state

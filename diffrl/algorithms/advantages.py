@@ -4,9 +4,12 @@
 
 ``std`` is the reward std of sample i's group (``std_mode="group"``, GRPO), the std of the whole
 batch (``"global"``, Flow-GRPO's default, which keeps low-variance groups from being amplified), or 1
-(``"none"``, Dr.GRPO). Stds are population stds (``unbiased=False``).
+(``"none"``, Dr.GRPO). Stds are population stds by default (``ddof=0``, numpy's ``np.std``, as flow_grpo);
+``ddof=1`` is ``torch.std``'s unbiased std, and a fractional ``ddof`` is the std of rewards repeated over
+steps (verl-omni's ``torch.std`` of the ``[B, T]`` reward tensor is ``ddof = 1/T``).
 
 Also: ``check_group_size`` (refuse groups of one sample), ``group_std_keep_mask`` (drop zero-variance groups),
+``nonzero_advantage_keep_mask`` (flow_grpo's drop: every sample whose advantage is exactly 0),
 ``PerPromptStatTracker`` (DDPO's per-prompt running statistics) and ``aggregate_rewards`` (several weighted rewards).
 """
 
@@ -26,6 +29,8 @@ def group_advantages(
     std_mode: str = "global",
     eps: float = 1e-4,
     clip_max: float = 5.0,
+    ddof: float = 0.0,
+    dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """Group-normalised advantages.
 
@@ -35,23 +40,30 @@ def group_advantages(
         std_mode: ``"group"`` | ``"global"`` | ``"none"``.
         eps: added to the std.
         clip_max: advantages are clipped to ``[−clip_max, clip_max]``.
+        ddof: the std is ``sqrt(Σ (r − mean)² / (N − ddof))`` over the N rewards it spans (0: population std).
+        dtype: precision of the computation and the result (float64 in the parity tests).
 
     Returns:
-        ``[B]`` fp32 advantages.
+        ``[B]`` advantages of ``dtype``.
     """
     if std_mode not in STD_MODES:
         raise ValueError(f"unknown advantage std_mode {std_mode!r}; choose one of {STD_MODES}")
-    r = rewards.float()
+    if not 0 <= ddof < 2:
+        raise ValueError(f"advantage std ddof must be in [0, 2), got {ddof}")
+    r = rewards.to(dtype)
     _, inverse = torch.unique(group_id, return_inverse=True)
     n_groups = int(inverse.max()) + 1
-    counts = torch.zeros(n_groups, device=r.device).index_add_(0, inverse, torch.ones_like(r))
-    means = torch.zeros(n_groups, device=r.device).index_add_(0, inverse, r) / counts
+    counts = torch.zeros(n_groups, dtype=r.dtype, device=r.device).index_add_(0, inverse, torch.ones_like(r))
+    means = torch.zeros(n_groups, dtype=r.dtype, device=r.device).index_add_(0, inverse, r) / counts
     centred = r - means[inverse]
     if std_mode == "group":
-        var = torch.zeros(n_groups, device=r.device).index_add_(0, inverse, centred**2) / counts
+        var = torch.zeros(n_groups, dtype=r.dtype, device=r.device).index_add_(0, inverse, centred**2) / (counts - ddof).clamp_min(1e-12)
         std = var.sqrt()[inverse]
     elif std_mode == "global":
-        std = r.std(unbiased=False).expand_as(r)
+        if ddof == 0:
+            std = r.std(unbiased=False).expand_as(r)
+        else:
+            std = (((r - r.mean()) ** 2).sum() / max(r.numel() - ddof, 1e-12)).sqrt().expand_as(r)
     else:
         std = torch.ones_like(r)
         eps = 0.0
@@ -118,6 +130,32 @@ def group_std_keep_mask(
     lo = torch.full((n_groups,), torch.inf, dtype=r.dtype, device=r.device).scatter_reduce(0, inverse, r, "amin")
     group_keep = (var.sqrt() > min_std) & (hi > lo)
     return group_keep[inverse], int((~group_keep).sum())
+
+
+def nonzero_advantage_keep_mask(rewards: torch.Tensor, group_id: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Keep the samples whose group-relative advantage is not exactly 0 (Flow-GRPO's reference code drops the
+    others before the update):
+
+        keep_i = (r_i − mean_{g(i)}(r)) ≠ 0          (in float64)
+
+    Every member of a group with equal rewards is dropped, and so is any sample whose reward equals its group's
+    mean exactly (e.g. 0.5 in a group {0, 0.5, 0.5, 1}). Dividing by the std cannot turn a nonzero difference
+    into 0, so this is the mask of ``advantage != 0`` whatever the std mode.
+
+    Args:
+        rewards: ``[B]`` rewards.
+        group_id: ``[B]`` integer group of each sample.
+    Returns:
+        ``(keep, n_dropped_samples)``: ``keep`` a ``[B]`` bool mask.
+    """
+    if rewards.shape != group_id.shape or rewards.ndim != 1:
+        raise ValueError(f"rewards {tuple(rewards.shape)} and group_id {tuple(group_id.shape)} must both be [B]")
+    r = rewards.double()
+    inverse, n_groups = _group_index(group_id)
+    counts = torch.zeros(n_groups, dtype=r.dtype, device=r.device).index_add_(0, inverse, torch.ones_like(r))
+    means = torch.zeros(n_groups, dtype=r.dtype, device=r.device).index_add_(0, inverse, r) / counts
+    keep = (r - means[inverse]) != 0
+    return keep, int((~keep).sum())
 
 
 class PerPromptStatTracker:
@@ -226,15 +264,15 @@ def aggregate_rewards(
         weights: name → weight; every name must be a key of ``rewards``.
         group_id: ``[B]`` integer group of each sample.
         mode: ``"sum_rewards"`` | ``"sum_advantages"``.
-        **adv_kwargs: passed to ``group_advantages`` (``std_mode``, ``eps``, ``clip_max``).
+        **adv_kwargs: passed to ``group_advantages`` (``std_mode``, ``eps``, ``clip_max``, ``ddof``, ``dtype``).
     Returns:
-        ``[B]`` fp32 advantages.
+        ``[B]`` advantages (fp32 unless ``dtype`` says otherwise).
     """
     if mode not in AGGREGATION_MODES:
         raise ValueError(f"unknown reward aggregation mode {mode!r}; choose one of {AGGREGATION_MODES}")
-    unknown = sorted(set(adv_kwargs) - {"std_mode", "eps", "clip_max"})
+    unknown = sorted(set(adv_kwargs) - {"std_mode", "eps", "clip_max", "ddof", "dtype"})
     if unknown:
-        raise ValueError(f"unknown advantage options {unknown}; aggregate_rewards passes std_mode, eps, clip_max")
+        raise ValueError(f"unknown advantage options {unknown}; aggregate_rewards passes std_mode, eps, clip_max, ddof, dtype")
     if not weights:
         raise ValueError(f"weights is empty; give a weight to at least one of the rewards {sorted(rewards)}")
     missing = sorted(set(weights) - set(rewards))
@@ -244,6 +282,7 @@ def aggregate_rewards(
         if rewards[name].shape != group_id.shape:
             raise ValueError(f"reward {name!r} has shape {tuple(rewards[name].shape)}, group_id {tuple(group_id.shape)}")
     if mode == "sum_rewards":
-        total = sum(float(w) * rewards[name].float() for name, w in weights.items())
+        dtype = adv_kwargs.get("dtype", torch.float32)
+        total = sum(float(w) * rewards[name].to(dtype) for name, w in weights.items())
         return group_advantages(total, group_id, **adv_kwargs)
     return sum(float(w) * group_advantages(rewards[name], group_id, **adv_kwargs) for name, w in weights.items())

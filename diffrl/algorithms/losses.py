@@ -1,7 +1,7 @@
 """Diffusion RL losses: pure functions of tensors, selected by name from a registry.
 
-Each loss returns ``(loss, metrics)``: ``loss`` a scalar fp32 tensor to back-propagate, ``metrics`` a dict
-of floats (already detached). Per-step policy-gradient losses (``flow_grpo``/``ddpo``, ``grpo_guard``) take
+Each loss returns ``(loss, metrics)``: ``loss`` a scalar fp32 tensor to back-propagate (float64 when the per-step
+losses get float64 inputs: the parity tests), ``metrics`` a dict of floats (already detached). Per-step policy-gradient losses (``flow_grpo``/``ddpo``, ``grpo_guard``) take
 the outputs of one denoising step of a micro-batch; ``make_step_loss`` binds them to the engine.
 ``dpo`` and ``nft`` take whole-sample quantities (per-pair errors, velocity predictions on forward-noised
 clean samples) and are called by their own training paths.
@@ -34,6 +34,11 @@ def get_loss(name: str) -> Callable:
     return LOSSES[name]
 
 
+def _at_least_fp32(x: torch.Tensor) -> torch.Tensor:
+    """fp32, or float64 kept as it is (the parity tests run the per-step losses in float64)."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
 def _mean_over_dims(x: torch.Tensor) -> torch.Tensor:
     """``[B, …] -> [B]``: mean over the non-batch dims."""
     return x.mean(dim=tuple(range(1, x.ndim))) if x.ndim > 1 else x
@@ -41,13 +46,13 @@ def _mean_over_dims(x: torch.Tensor) -> torch.Tensor:
 
 def _per_sample_std(std: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """``[B]``: the step std of each sample (the std kinds of ``diffrl/sde.py`` are constant per sample)."""
-    return _mean_over_dims(std.float().expand_as(like)).detach()
+    return _mean_over_dims(_at_least_fp32(std).expand_as(like)).detach()
 
 
 def _check_dt(dt: torch.Tensor | None, needed_by: str) -> torch.Tensor:
     if dt is None:
         raise ValueError(f"{needed_by} needs dt ([B] tensor, sigma − sigma_next > 0)")
-    dt = torch.as_tensor(dt).float()
+    dt = _at_least_fp32(torch.as_tensor(dt))
     if bool((dt <= 0).any()):
         raise ValueError(f"{needed_by}: dt must be sigma − sigma_next > 0 for every sample, got {dt.tolist()}")
     return dt
@@ -75,7 +80,7 @@ def step_kl(mean, ref_mean, std, *, dt=None, kl_dt_scale: bool = False, needed_b
     """
     if mean is None or ref_mean is None or std is None:
         raise ValueError(f"{needed_by} with kl_beta > 0 needs mean, ref_mean and std")
-    kl = gaussian_kl_same_std(mean.float(), ref_mean.float(), std.float())
+    kl = gaussian_kl_same_std(_at_least_fp32(mean), _at_least_fp32(ref_mean), _at_least_fp32(std))
     if kl_dt_scale:
         kl = kl * _check_dt(dt, f"{needed_by} with kl_dt_scale=True").to(kl.device)
     return kl
@@ -173,8 +178,8 @@ def flow_grpo_loss(
         ``(loss, metrics)``: metrics ``policy_loss``, ``kl``, ``approx_kl`` (½·mean (Δlog p)²),
         ``clipfrac`` (fraction with ``|ratio − 1| > ε``), ``ratio_mean``, ``ratio_std``.
     """
-    advantages = advantages.float()
-    log_ratio = log_prob.float() - old_log_prob.float()
+    advantages = _at_least_fp32(advantages)
+    log_ratio = _at_least_fp32(log_prob) - _at_least_fp32(old_log_prob)
     policy_loss, ratio = _clipped_surrogate(log_ratio, advantages, clip_range, is_weight)
     loss, metrics = _with_step_kl(policy_loss, kl_beta, mean, ref_mean, std, dt, kl_dt_scale, "flow_grpo")
     metrics.update(_ratio_metrics(ratio, log_ratio, clip_range))
@@ -234,12 +239,12 @@ def grpo_guard_loss(
     """
     if mean is None or old_mean is None or std is None:
         raise ValueError("grpo_guard needs mean, old_mean and std (the current and rollout step means, the step std)")
-    advantages = advantages.float()
-    raw_log_ratio = log_prob.float() - old_log_prob.float()
+    advantages = _at_least_fp32(advantages)
+    raw_log_ratio = _at_least_fp32(log_prob) - _at_least_fp32(old_log_prob)
     log_ratio = raw_log_ratio
     if ratio_norm:
         s = _per_sample_std(std, mean)
-        drift = _mean_over_dims((mean.float() - old_mean.float().detach()) ** 2)
+        drift = _mean_over_dims((_at_least_fp32(mean) - _at_least_fp32(old_mean).detach()) ** 2)
         log_ratio = s * raw_log_ratio + drift / (2 * s)
     weight = 1.0 / _check_dt(dt, "grpo_guard with grad_reweight=True").to(log_ratio.device) if grad_reweight else None
     policy_loss, ratio = _clipped_surrogate(log_ratio, advantages, clip_range, weight)

@@ -15,10 +15,16 @@ from typing import ClassVar
 import torch
 from tensordict import TensorDict
 
-from diffrl.algorithms.advantages import PerPromptStatTracker, aggregate_rewards, check_group_size, group_std_keep_mask
+from diffrl.algorithms.advantages import (
+    PerPromptStatTracker,
+    aggregate_rewards,
+    check_group_size,
+    group_std_keep_mask,
+    nonzero_advantage_keep_mask,
+)
 from diffrl.algorithms.base import Algorithm, RolloutPlan, StepResult, register_algorithm
 from diffrl.algorithms.losses import STEP_LOSSES, make_step_loss
-from diffrl.config import AlgorithmConfig, Check, at_least, one_of, positive
+from diffrl.config import AlgorithmConfig, Check, at_least, between, one_of, positive
 from diffrl.sampling.schedules import WindowMasks
 
 
@@ -26,7 +32,7 @@ from diffrl.sampling.schedules import WindowMasks
 class PolicyGradientConfig(AlgorithmConfig):
     CHECKS: ClassVar[dict[str, Check]] = {
         "loss": one_of(*STEP_LOSSES), "clip_range": positive(), "adv_tracker_buffer": at_least(1), "adv_tracker_min_count": at_least(1),
-        "rollout_is_cap": at_least(1, integer=False),
+        "rollout_is_cap": at_least(1, integer=False), "adv_std_ddof": between(0, 2, hi_open=True, note="0: population std, 1: unbiased"),
     }
 
     loss: str = "flow_grpo"
@@ -41,6 +47,12 @@ class PolicyGradientConfig(AlgorithmConfig):
     """grpo_guard: reweight each step's surrogate by 1/Δt"""
     adv_drop_zero_std: bool = False
     """drop prompt groups whose rewards are all equal (counted in metrics)"""
+    adv_drop_zero_advantage: bool = False
+    """drop every sample whose advantage is exactly 0 before the update (flow_grpo): all-equal groups and any sample whose
+    reward equals its group's mean (counted in metrics as dropped_samples)"""
+    adv_std_ddof: float = 0.0
+    """advantage std = sqrt(Σ(r − mean)²/(N − ddof)): 0 population (numpy, flow_grpo), 1 unbiased (torch.std), 1/T for
+    verl-omni (torch.std of the rewards repeated over its T trained steps)"""
     adv_stat_tracker: bool = False
     """DDPO's per-prompt stat tracker instead of the current group's statistics"""
     adv_tracker_buffer: int = 32
@@ -52,21 +64,27 @@ class PolicyGradientConfig(AlgorithmConfig):
 
 
 class RewardAdvantages:
-    """Rewards → advantages: group-relative statistics of the (weighted) rewards, or DDPO's per-prompt
-    stat tracker; clipped to ``±adv_clip_max``."""
+    """Rewards → advantages: group-relative statistics of the (weighted) rewards (std with ``ddof``), or DDPO's
+    per-prompt stat tracker; clipped to ``±adv_clip_max``."""
 
-    def __init__(self, config: AlgorithmConfig, reward_weights: dict[str, float], tracker: PerPromptStatTracker | None = None):
+    def __init__(self, config: AlgorithmConfig, reward_weights: dict[str, float], tracker: PerPromptStatTracker | None = None,
+                 *, ddof: float = 0.0):
         self.config = config
         self.weights = reward_weights
         self.tracker = tracker
+        self.ddof = float(ddof)
 
     def __call__(self, scores: dict, group_id: torch.Tensor, prompts: list[str]) -> torch.Tensor:
         a = self.config
         if self.tracker is not None:
             return self.tracker.update(prompts, scores["rewards"]).clamp(-a.adv_clip_max, a.adv_clip_max)
         per_reward = {name: scores[f"reward/{name}"] for name in self.weights}
+        extra = {"ddof": self.ddof} if self.ddof else {}
+        if any(r.dtype == torch.float64 for r in per_reward.values()):  # float64 rewards (the parity tests) stay float64
+            extra["dtype"] = torch.float64
         return aggregate_rewards(
-            per_reward, self.weights, group_id, mode=a.reward_aggregation, std_mode=a.adv_std_mode, eps=a.adv_eps, clip_max=a.adv_clip_max
+            per_reward, self.weights, group_id, mode=a.reward_aggregation, std_mode=a.adv_std_mode, eps=a.adv_eps, clip_max=a.adv_clip_max,
+            **extra,
         )
 
     def state_dict(self) -> dict:
@@ -106,7 +124,9 @@ class PolicyGradient(Algorithm):
     def __init__(self, config: PolicyGradientConfig, run):
         super().__init__(config, run)
         tracker = PerPromptStatTracker(config.adv_tracker_buffer, config.adv_tracker_min_count) if config.adv_stat_tracker else None
-        self.advantages = RewardAdvantages(config, run.reward_weights, tracker)
+        if config.adv_stat_tracker and config.adv_std_ddof:
+            raise ValueError("algorithm.adv_std_ddof applies to group statistics; the stat tracker (algorithm.adv_stat_tracker=true) uses population stds")
+        self.advantages = RewardAdvantages(config, run.reward_weights, tracker, ddof=config.adv_std_ddof)
 
     def objective(self):
         a = self.config
@@ -119,8 +139,6 @@ class PolicyGradient(Algorithm):
         if not self.config.adv_stat_tracker:  # the tracker's statistics span steps (and the batch before a prompt has min_count rewards)
             check_group_size(self.run.group_size, f"algorithm={self.config.name}",
                              alternative="algorithm.adv_stat_tracker=true (DDPO's per-prompt statistics across steps)")
-        if num_workers > 1 and self.config.adv_drop_zero_std:
-            raise ValueError("algorithm.adv_drop_zero_std leaves an uneven number of rows; with distributed.num_workers > 1 set it to false")
 
     def rollout_plan(self, masks: WindowMasks) -> RolloutPlan:
         return RolloutPlan("current", masks.trained, masks.stochastic, record_means=self.config.loss == "grpo_guard")
@@ -130,11 +148,15 @@ class PolicyGradient(Algorithm):
         traj["advantages"] = self.advantages(scores, traj["group_id"], prompts)
         record = {"advantage_abs_mean": traj["advantages"].abs().mean().item()}
         batch = traj
+        keep = None
         if self.config.adv_drop_zero_std:
-            keep, n_dropped = group_std_keep_mask(scores["rewards"], traj["group_id"])
-            record["dropped_groups"] = n_dropped
-            if not bool(keep.any()):
-                return StepResult({}, record)
+            keep, record["dropped_groups"] = group_std_keep_mask(scores["rewards"], traj["group_id"])
+        if self.config.adv_drop_zero_advantage:
+            nonzero, record["dropped_samples"] = nonzero_advantage_keep_mask(scores["rewards"], traj["group_id"])
+            keep = nonzero if keep is None else keep & nonzero
+        if keep is not None:  # rows that do not fill equal mini-batches are left out by train_epochs (rows_unused)
+            if not bool(keep.any()):  # no reward signal in the step: no update
+                return StepResult({"rows_unused": [0.0], "optimizer_steps": [0.0]}, record)
             batch = traj[keep]
         del batch["metrics"]
         return StepResult(self.train_epochs(workers, batch, traj.shape[0], step), record)

@@ -116,8 +116,9 @@ class TrainingWorker:
         """One optimizer step per consecutive mini-batch of ``mini_batch_size`` rows of ``data``, in order.
 
         The driver (``Algorithm.train_epochs``) draws the mini-batches, their order over epochs and one seed
-        per optimizer step (flag ``update_seeds``); this is the only mini-batch loop. Returns every optimizer
-        step's metrics as lists under ``metrics``.
+        per optimizer step (flag ``update_seeds``); this is the only mini-batch loop. Flag ``ema_decays`` (one list
+        per optimizer step, ``eval.ema_cadence=optimizer_step``) moves the ``ema`` adapter after each step. Returns
+        every optimizer step's metrics as lists under ``metrics``.
         """
         pop_flag(data, "disable_auto_offload", False)
         batch_size = data.shape[0]
@@ -128,12 +129,17 @@ class TrainingWorker:
         seeds = pop_flag(data, "update_seeds", None) or [0] * num_mini_batches
         if len(seeds) != num_mini_batches:
             raise ValueError(f"update_seeds has {len(seeds)} seeds for {num_mini_batches} mini-batches")
+        ema_decays = pop_flag(data, "ema_decays", None) or [[] for _ in range(num_mini_batches)]  # eval.ema_cadence=optimizer_step
+        if len(ema_decays) != num_mini_batches:
+            raise ValueError(f"ema_decays has {len(ema_decays)} entries for {num_mini_batches} mini-batches")
         collected: dict[str, list] = defaultdict(list)
         for index in range(num_mini_batches):
             mini = data[index * mini_batch_size : (index + 1) * mini_batch_size]
             mini.set_non_tensor("seed", int(seeds[index]))
             for key, value in self.train_batch(mini).get_non_tensor("metrics").items():
                 collected[key].append(value)
+            for decay in ema_decays[index]:  # the evaluated EMA follows the weights of this optimizer step
+                lora.ema_update_adapter(self.engine.module, "default", "ema", float(decay))
         return metrics_td(dict(collected))
 
     @register(Dispatch.ONE_TO_ALL)
