@@ -11,9 +11,10 @@ Scores (``e_img``, ``e_txt`` are the L2-normalised image and text embeddings of 
 - ``hpsv2`` = ``cos(e_img, e_txt)`` ∈ [−1, 1] with the HPS v2 / v2.1 fine-tuned open_clip ViT-H-14
   (Wu et al. 2023, "Human Preference Score v2"; its score.py takes the diagonal of
   ``image_features @ text_features.T`` of normalised features).
-- ``pickscore`` = ``exp(logit_scale) · cos(e_img, e_txt)`` ∈ [−exp(logit_scale), exp(logit_scale)] ⊂ [−100, 100]
-  (Kirstain et al. 2023, "Pick-a-Pic"): PickScore_v1 is a transformers ``CLIPModel`` (CLIP-H) used with
-  the CLIP-ViT-H-14-laion2B processor.
+- ``pickscore`` = ``exp(logit_scale) · cos(e_img, e_txt) / divisor`` ∈ ±exp(logit_scale)/divisor (±100 at the default
+  ``divisor=1``; Kirstain et al. 2023, "Pick-a-Pic"): PickScore_v1 is a transformers ``CLIPModel`` (CLIP-H) used with
+  the CLIP-ViT-H-14-laion2B processor. ``divisor=26`` is Flow-GRPO's and DiffusionNFT's PickScore scorer ("norm to
+  0-1"), which puts PickScore on the scale of the cosine rewards in a sum with them.
 
 Preprocessing (:func:`clip_preprocess`) is the CLIP recipe written in torch for batched uint8 tensors:
 bicubic resize of the shorter side to 224 (PIL's antialiased kernel, width then height, each pass rounded
@@ -338,15 +339,21 @@ class PickScore(_ClipReward):
         model_config: ``CLIPConfig`` keyword arguments (``text_config``, ``vision_config``, ``projection_dim``)
             for a random model (e.g. tiny in tests); default CLIP-H/14.
         device, dtype, batch_size, seed: as the open_clip rewards.
+        divisor: the score is divided by it (> 0; 26: Flow-GRPO's and DiffusionNFT's scorer, ~0–1).
     """
 
-    unit = "exp(logit_scale) · cosine similarity, in [−exp(logit_scale), exp(logit_scale)] (±100 for PickScore_v1)"
+    unit = "exp(logit_scale) · cosine similarity / divisor, in ±exp(logit_scale)/divisor (±100 for PickScore_v1 at divisor 1)"
     hub_weights = {"checkpoint": Weights("yuvalkirstain/PickScore_v1", "model"),
                    "processor": Weights("laion/CLIP-ViT-H-14-laion2B-s32B-b79K", "processor")}
 
     def __init__(self, checkpoint: str | None = None, processor: str | None = None, random_init: bool = False,
-                 model_config: dict | None = None, device: str = "cpu", dtype: str = "float32", batch_size: int = 32, seed: int = 0):
+                 model_config: dict | None = None, device: str = "cpu", dtype: str = "float32", batch_size: int = 32, seed: int = 0,
+                 divisor: float = 1.0):
         from transformers import AutoTokenizer, CLIPConfig, CLIPImageProcessor, CLIPModel
+
+        if not divisor > 0:
+            raise ValueError(f"pickscore divisor must be > 0, got {divisor}")
+        self.divisor = float(divisor)
 
         self._setup(device, dtype, batch_size)
         if random_init and checkpoint is None:
@@ -381,7 +388,7 @@ class PickScore(_ClipReward):
         self.crop_size = _size_field(image_processor.crop_size, "height")
         self.mean, self.std = tuple(image_processor.image_mean), tuple(image_processor.image_std)
         self.logit_scale = float(self.model.logit_scale.exp().item())
-        self.scale = (-self.logit_scale, self.logit_scale)
+        self.scale = (-self.logit_scale / self.divisor, self.logit_scale / self.divisor)
         self.max_length = min(int(self.tokenizer.model_max_length), int(model.config.text_config.max_position_embeddings))
 
     @classmethod
@@ -413,4 +420,5 @@ class PickScore(_ClipReward):
     def __call__(self, images: torch.Tensor, prompts: list[str], metadata: Any = None) -> dict[str, torch.Tensor]:
         self._check(images, prompts)
         img, txt = self.embeddings(images, prompts)
-        return {self.name: self.logit_scale * _cosine(img, txt).cpu()}
+        score = self.logit_scale * _cosine(img, txt).cpu()
+        return {self.name: score / self.divisor if self.divisor != 1.0 else score}

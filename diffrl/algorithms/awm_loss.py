@@ -15,7 +15,7 @@ v* = ε − x0:
 
     e_i  = mean_dims (v_θ(x_σ) − v*)²                         per-sample flow-matching error
     ℓ_i  = w(e_i, σ_i)                                        per-timestep weighting (below)
-    Â_i  = A_i                 or clip(A_i, ±c)/c with adv_clip_max = c (the reference code: c = 5)
+    Â_i  = A_i                 or clip(A_i, ±c)/c·m with adv_clip_max = c, advantage_max = m (the reference code: c = 5, m = 1)
     L    = mean_i Â_i·ℓ_i + β·mean_i mean_dims (v_θ − v_ref)² + β_ema·mean_i mean_dims (v_θ − v_ema)²
 
 Positive-advantage samples are pulled toward their flow-matching target, negative ones pushed away. The
@@ -52,13 +52,18 @@ def _mean_over_dims(x: torch.Tensor) -> torch.Tensor:
     return x.mean(dim=tuple(range(1, x.ndim))) if x.ndim > 1 else x
 
 
+def _compute(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in fp32 (bf16/fp16/fp32 inputs), or kept in fp64 (the parity tests run the loss in fp64)."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
 def _anchor(v_theta: torch.Tensor, v_other: torch.Tensor | None, name: str) -> torch.Tensor:
     """``mean_i mean_dims (v_θ − v_other)²`` with ``v_other`` detached (fp32)."""
     if v_other is None:
         raise ValueError(f"awm: a positive weight for the {name} term needs {name} (its velocity on the same input)")
     if v_other.shape != v_theta.shape:
         raise ValueError(f"awm: {name} {tuple(v_other.shape)} must match v_theta {tuple(v_theta.shape)}")
-    return _mean_over_dims((v_theta - v_other.float().detach()) ** 2).mean()
+    return _mean_over_dims((v_theta - _compute(v_other).detach()) ** 2).mean()
 
 
 def awm_loss(
@@ -70,6 +75,7 @@ def awm_loss(
     weighting: str = "uniform",
     ghuber_power: float = 0.25,
     adv_clip_max: float | None = None,
+    advantage_max: float = 1.0,
     kl_beta: float = 0.0,
     v_ref: torch.Tensor | None = None,
     ema_beta: float = 0.0,
@@ -84,7 +90,8 @@ def awm_loss(
         sigma: ``[B]`` (or a float) noise level of each row, in ``[0, 1]`` (1 = noise).
         weighting: one of ``AWM_WEIGHTINGS``.
         ghuber_power: ``p`` of ``"ghuber"`` (> 0).
-        adv_clip_max: if set (> 0), advantages become ``clip(A, ±c)/c`` ∈ ``[−1, 1]``.
+        adv_clip_max: if set (> 0), advantages become ``clip(A, ±c)/c·advantage_max`` ∈ ``[−advantage_max, advantage_max]``.
+        advantage_max: the reference code's ``advantage_max`` (1 in its configs); used with ``adv_clip_max``.
         kl_beta, v_ref: weight and velocity of the reference anchor (``v_ref`` required when ``kl_beta > 0``).
         ema_beta, v_ema: weight and velocity of the EMA anchor (``v_ema`` required when ``ema_beta > 0``).
     Returns:
@@ -96,15 +103,18 @@ def awm_loss(
         raise ValueError(f"awm: unknown weighting {weighting!r}; choose one of {AWM_WEIGHTINGS}")
     if weighting == "ghuber" and ghuber_power <= 0:
         raise ValueError(f"awm: ghuber_power must be > 0, got {ghuber_power}")
+    if advantage_max <= 0:
+        raise ValueError(f"awm: advantage_max must be > 0, got {advantage_max}")
     if adv_clip_max is not None and adv_clip_max <= 0:
         raise ValueError(f"awm: adv_clip_max must be > 0 or None, got {adv_clip_max}")
     if target.shape != v_theta.shape:
         raise ValueError(f"awm: target {tuple(target.shape)} must match v_theta {tuple(v_theta.shape)}")
     batch = v_theta.shape[:1]
-    adv = torch.as_tensor(advantages).float().detach().to(v_theta.device)
+    adv = _compute(torch.as_tensor(advantages)).detach().to(v_theta.device)
     if adv.shape != batch:
         raise ValueError(f"awm: advantages must be [B] = {tuple(batch)}, got {tuple(adv.shape)}")
-    s = torch.as_tensor(sigma, dtype=torch.float32, device=v_theta.device).detach()
+    dtype = torch.float64 if v_theta.dtype == torch.float64 else torch.float32
+    s = torch.as_tensor(sigma, device=v_theta.device).to(dtype).detach()
     s = s.expand(batch) if s.ndim == 0 else s.reshape(-1)
     if s.shape != batch:
         raise ValueError(f"awm: sigma must be a float or [B] = {tuple(batch)}, got {tuple(s.shape)}")
@@ -112,9 +122,12 @@ def awm_loss(
         raise ValueError(f"awm: sigma must lie in [0, 1], got {s.tolist()}")
     if adv_clip_max is not None:
         adv = adv.clamp(-adv_clip_max, adv_clip_max) / adv_clip_max
+        if advantage_max != 1.0:
+            adv = adv * advantage_max
 
-    v_theta = v_theta.float()
-    err = _mean_over_dims((v_theta - target.float().detach()) ** 2)
+    v_theta = _compute(v_theta)
+    adv = adv.to(v_theta.dtype)
+    err = _mean_over_dims((v_theta - _compute(target).detach()) ** 2)
     if weighting == "uniform":
         weighted = err
     elif weighting == "sigma":

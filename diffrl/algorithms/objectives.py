@@ -28,7 +28,7 @@ def forward_noise(x0: torch.Tensor, sigma: torch.Tensor, noise: torch.Tensor, pr
     Flow models: ``x_σ = (1 − σ)·x0 + σ·ε``, target ``v = ε − x0``. Epsilon models (variance preserving,
     ``σ = √(1 − ᾱ)``): ``x_σ = √(1 − σ²)·x0 + σ·ε``, target ``ε``.
     """
-    s = sigma.float().reshape(-1, *([1] * (x0.ndim - 1)))
+    s = (sigma.to(x0.dtype) if x0.dtype == torch.float64 else sigma.float()).reshape(-1, *([1] * (x0.ndim - 1)))
     if prediction_type == "flow":
         return (1 - s) * x0 + s * noise, noise - x0
     if prediction_type == "epsilon":
@@ -64,9 +64,11 @@ class Renoised:
     """the level's share of the micro-batch's loss (1 / number of levels)"""
 
 
-def renoised_clean_samples(engine, micro: TensorDict, seed: int, num_timesteps: int | None, objective: str) -> Iterator[Renoised]:
+def renoised_clean_samples(engine, micro: TensorDict, seed: int, num_timesteps: int | None, objective: str,
+                           levels: torch.Tensor | None = None) -> Iterator[Renoised]:
     """The clean samples ``latents[:, -1]`` of ``micro`` re-noised at ``num_timesteps`` levels of the sampler's
-    schedule (:func:`schedule_levels`) with the objective's noise (:func:`objective_noise`), on the engine's device.
+    schedule (:func:`schedule_levels`; or the given ``levels [n, B]``) with the objective's noise
+    (:func:`objective_noise`), on the engine's device.
 
     Raises:
         ValueError: for a model that does not predict velocity (``objective`` names the caller).
@@ -75,9 +77,11 @@ def renoised_clean_samples(engine, micro: TensorDict, seed: int, num_timesteps: 
     if adapter.prediction_type != "flow":
         raise ValueError(f"the {objective} objective needs a flow-matching model (velocity prediction)")
     device = adapter.device
-    x0 = micro["latents"][:, -1].to(device).float()
+    x0 = micro["latents"][:, -1].to(device)
+    x0 = x0 if x0.dtype == torch.float64 else x0.float()  # fp32 compute; fp64 kept (the parity tests)
     cond = micro["cond"].to(device)
-    levels = schedule_levels(micro["sigmas"][0], micro["seeds"], seed, num_timesteps)
+    if levels is None:
+        levels = schedule_levels(micro["sigmas"][0], micro["seeds"], seed, num_timesteps)
     for k in range(levels.shape[0]):
         sigma = levels[k].to(device)
         x_t, target = forward_noise(x0, sigma, objective_noise(micro["seeds"], seed, k, x0.shape[1:], device), "flow")

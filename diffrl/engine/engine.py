@@ -424,6 +424,9 @@ class DiffusionEngine:
         if hasattr(loss_fn, "micro_losses"):
             yield from loss_fn.micro_losses(self, micro, seed)
             return
+        if not bool((micro["sde_mask"] == micro["sde_mask"][:1]).all()):
+            yield from self._per_row_step_pieces(loss_fn, micro)
+            return
         steps = self._trained_steps(micro)
         for k in steps:
             out = self._score_step(self.adapter, micro, k)
@@ -434,6 +437,31 @@ class DiffusionEngine:
                 step_out.update(ref_mean=ref_out.mean, ref_log_prob=ref_out.log_prob)
             loss, metrics = loss_fn(step_out, micro, k)
             yield loss, 1.0 / len(steps), metrics
+
+    def _per_row_step_pieces(self, loss_fn, micro: TensorDict):
+        """Per-step losses of a micro-batch whose rows train different steps (``sde_mask [B, K]`` by row: DanceGRPO's
+        per-sample choice, ``sampler.window=random_per_sample``). Step ``k`` runs on the rows that train it; every row
+        trains the same number ``n`` of steps, so a piece of ``m`` rows weighs ``m / (B·n)`` and the update is the mean
+        over rows of each row's mean over its own steps."""
+        mask = micro["sde_mask"].bool()
+        per_row = mask.sum(1)
+        if int(per_row.min()) < 1 or not bool((per_row == per_row[0]).all()):
+            raise ValueError(f"rows that train different steps must each train the same number of them (≥ 1), got {per_row.tolist()}")
+        self._trained_steps(micro[:1])  # a deterministic step kind has nothing to train
+        rows_total, n = micro.shape[0], int(per_row[0])
+        for k in range(mask.shape[1]):
+            rows = mask[:, k].nonzero().squeeze(1)
+            if len(rows) == 0:
+                continue
+            sub = micro[rows]
+            out = self._score_step(self.adapter, sub, k)
+            step_out = {"log_prob": out.log_prob, "mean": out.mean, "std": out.std}
+            if getattr(loss_fn, "needs_reference", False):
+                with torch.no_grad(), (self.old_policy() if getattr(loss_fn, "reference_policy", "base") == "old" else self.reference()) as ref:
+                    ref_out = self._score_step(ref, sub, k)
+                step_out.update(ref_mean=ref_out.mean, ref_log_prob=ref_out.log_prob)
+            loss, metrics = loss_fn(step_out, sub, k)
+            yield loss, len(rows) / (rows_total * n), metrics
 
     def _optimizer_step(self, loss: float) -> tuple[float, bool]:
         """Clip and step; ``(grad norm, skipped)``. A non-finite loss or gradient norm (the same on every rank:

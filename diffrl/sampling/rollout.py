@@ -14,6 +14,7 @@ from tensordict import NonTensorStack, TensorDict
 
 from diffrl.config import SamplerConfig
 from diffrl.sampling.sde import ODE_SOLVERS, is_deterministic, randn_per_sample, run_step
+from diffrl.sampling.schedules import per_sample_count, per_sample_trained
 from diffrl.sampling.seeding import generators as make_generators
 
 
@@ -29,6 +30,15 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
         return t.cpu()
     out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     return out.copy_(t, non_blocking=True)
+
+
+def _trained_rows(settings: SamplerConfig, sde_mask: torch.Tensor, seeds: list[int]) -> torch.Tensor:
+    """``[B, K]`` trained steps: ``sde_mask`` for every sample, or with ``sampler.window=random_per_sample`` (DanceGRPO) each
+    sample's own ``per_sample_count`` of them (:func:`~diffrl.sampling.schedules.per_sample_trained`)."""
+    if getattr(settings, "window", "all") == "random_per_sample" and bool(sde_mask.any()):
+        count = per_sample_count(int(sde_mask.sum()), settings.timestep_fraction)
+        return per_sample_trained(sde_mask, count, seeds)
+    return sde_mask.unsqueeze(0).expand(len(seeds), -1).clone()
 
 
 @torch.no_grad()
@@ -152,7 +162,7 @@ def sample_trajectories(
             "latents": torch.cat(all_latents),
             "sigmas": sigmas.unsqueeze(0).expand(B, -1).clone(),
             "log_probs": torch.cat(all_log_probs),
-            "sde_mask": sde_mask.unsqueeze(0).expand(B, -1).clone(),
+            "sde_mask": _trained_rows(settings, sde_mask, seeds),
             "cond": cond.cpu(),
             "images": torch.cat(all_images),
             "group_id": group_id.long().cpu(),

@@ -16,7 +16,7 @@ from diffrl.sampling.seeding import Stream, generator
 # Training windows: which denoising steps are stochastic (SDE) and which of those are trained
 # ------------------------------------------------------------------------------------------------
 
-WINDOW_KINDS = ("all", "fraction", "fast", "mixgrpo", "random")
+WINDOW_KINDS = ("all", "fraction", "fast", "mixgrpo", "random", "random_per_sample")
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,29 @@ class WindowMasks:
 
     stochastic: torch.Tensor
     trained: torch.Tensor
+    per_sample: int = 0
+    """> 0: each sample trains its own random ``per_sample`` of the ``trained`` steps (:func:`per_sample_trained`, drawn
+    by the rollout); 0: every sample trains all of them"""
+
+
+def per_sample_count(candidates: int, timestep_fraction: float) -> int:
+    """Steps each sample trains out of ``candidates`` (DanceGRPO: ``int(15·0.6) = 9`` of the first 15 of 16)."""
+    return max(1, int(candidates * timestep_fraction))
+
+
+def per_sample_trained(candidates: torch.Tensor, count: int, seeds: list[int]) -> torch.Tensor:
+    """``[B, K]`` trained steps: each sample its own ``count`` of the ``candidates [K]`` steps, uniformly without
+    replacement, from a generator of its seed (stream ``WINDOW``), so a sample's steps do not depend on its batch.
+
+    DanceGRPO's reference code draws ``randperm`` of the candidate steps per sample and trains the first ``count``.
+    """
+    index = candidates.nonzero().squeeze(1)
+    if not 1 <= count <= len(index):
+        raise ValueError(f"per-sample trained steps: count={count} must be in [1, {len(index)}] (the candidate steps)")
+    out = torch.zeros(len(seeds), candidates.shape[0], dtype=torch.bool)
+    for row, seed in enumerate(seeds):
+        out[row, index[torch.randperm(len(index), generator=generator(int(seed), Stream.WINDOW, 0))[:count]]] = True
+    return out
 
 
 class TrainingWindow:
@@ -41,8 +64,11 @@ class TrainingWindow:
         ``mixgrpo``: MixGRPO (Li et al. 2025): a window of ``size`` SDE steps that starts at the
             high-noise end and moves ``shift`` steps towards low noise every ``shift_every`` RL steps,
             stopping at the last position (``frozen``: it never moves); ODE elsewhere; trained.
-        ``random``: DanceGRPO: every step stochastic, a random subset of
-            ``max(1, int(K·timestep_fraction))`` steps trained, drawn per RL step from ``(seed, step)``.
+        ``random``: every step stochastic, a random subset of ``max(1, int(K·timestep_fraction))`` steps trained,
+            drawn once per RL step from ``(seed, step)`` and shared by all samples.
+        ``random_per_sample``: DanceGRPO's reference code: every step stochastic, each sample trains its own random
+            ``max(1, int((K − 1)·timestep_fraction))`` of the first ``K − 1`` steps (never the last), drawn from the
+            sample's seed (:func:`per_sample_trained`); ``trained`` holds the ``K − 1`` candidates.
 
     ``fast`` and ``random`` windows are functions of ``(seed, step)``, so a resumed run redraws them;
     the MixGRPO window's position is state (:meth:`state_dict`) advanced by :meth:`advance` once per
@@ -82,6 +108,8 @@ class TrainingWindow:
                 )
             if kind == "mixgrpo" and (shift < 0 or shift_every < 1):
                 raise ValueError(f"MixGRPO needs window_shift ≥ 0 and window_shift_every ≥ 1, got {shift} and {shift_every}")
+        if kind == "random_per_sample" and num_steps < 2:
+            raise ValueError(f"sampler.window=random_per_sample trains steps before the last: it needs num_steps ≥ 2, got {num_steps}")
         self.position = self.range_start
         self.count = 0
 
@@ -97,6 +125,10 @@ class TrainingWindow:
         K = self.num_steps
         stochastic = torch.zeros(K, dtype=torch.bool)
         trained = torch.zeros(K, dtype=torch.bool)
+        if self.kind == "random_per_sample":
+            stochastic[:] = True
+            trained[: K - 1] = True
+            return WindowMasks(stochastic=stochastic, trained=trained, per_sample=per_sample_count(K - 1, self.timestep_fraction))
         if self.kind == "all":
             stochastic[:] = True
             trained[:] = True
