@@ -14,7 +14,7 @@ import torch
 from PIL import Image
 from tensordict import NonTensorStack, TensorDict
 
-from diffrl.prompt_sets import is_prompt_set, load_prompt_set
+from diffrl.prompt_sets import is_prompt_set, load_prompt_set, prompt_set_names
 from diffrl.sampling.seeding import Stream, generator
 from pipelines.base import EditPrompt, family_class, resize_sources, split_prompts
 
@@ -25,7 +25,8 @@ def read_prompt_file(path: str | Path) -> list[str]:
     """Prompts of a text file, one per line (blank lines skipped)."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"prompt file {path} does not exist (trainer.prompts)")
+        raise FileNotFoundError(f"prompt file {path} does not exist (trainer.prompts): give a file of one prompt per line, or a "
+                                f"built-in set: {', '.join(prompt_set_names())}")
     prompts = [line.strip() for line in path.read_text().splitlines() if line.strip()]
     if not prompts:
         raise ValueError(f"prompt file {path} holds no prompts")

@@ -55,6 +55,15 @@ def test_misspelt_groups_and_keys_get_the_closest_names_not_hydras_internals():
     assert "did you mean" not in str(info.value) and "'prompts_per_step'" in str(info.value)
 
 
+def test_a_missing_prompt_file_lists_the_built_in_sets(tmp_path, capsys):
+    from diffrl.prompt_sets import prompt_set_names
+
+    assert main(["train", "trainer.prompts=nope", f"trainer.output_dir={tmp_path / 'run'}", *SHORT]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "prompt file nope does not exist (trainer.prompts)" in err[0], err
+    assert all(name in err[0] for name in prompt_set_names()) and not (tmp_path / "run").exists()
+
+
 def test_cli_unknown_key_exits_with_message(capsys):
     assert main(["train", "model.lora.rnk=4"]) == 2
     err = capsys.readouterr().err
