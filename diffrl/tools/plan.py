@@ -36,7 +36,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import math
 import time
 from dataclasses import dataclass
 
@@ -228,7 +227,7 @@ def step_recipe(cfg, gpus: int, phase, memo=lambda adapter: contextlib.nullconte
     algorithm.setup(group)
     with memo(adapter):
         with phase("rollout"):
-            traj = group.generate_sequences(request())
+            traj = group.generate_sequences(request())  # noqa: F841 (held through the phase: its memory is the peak traced)
         trained = _trained_steps(traj)
         # the update of one micro-batch of one trained step: the peak of every other is the same
         micro = int(cfg.algorithm.micro_batch_size or per_rank)
@@ -240,7 +239,7 @@ def step_recipe(cfg, gpus: int, phase, memo=lambda adapter: contextlib.nullconte
             algorithm.update(group, small, scores, 0)
         del traj, small
         with phase("rollout_after_update"):
-            traj = group.generate_sequences(request())
+            traj = group.generate_sequences(request())  # noqa: F841 (held through the phase: its memory is the peak traced)
     blocks = adapter.fsdp_blocks()
     return {"categories": _categories(worker), "block_bytes": max((_param_bytes(b) for b in blocks), default=0), "per_rank": per_rank,
             "trained_steps": trained, "trained_samples": take, "levels": max(levels.values(), default=1)}
