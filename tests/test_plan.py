@@ -17,6 +17,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 from diffrl.tools import plan as planner
 from diffrl.tools.cli import main
 
+pytestmark = pytest.mark.exact  # fake-tensor traces: byte and FLOP counts, no float kernels compared (conftest.py)
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks" / "parity"))
 import plan_vs_measured  # noqa: E402  (benchmarks/parity/plan_vs_measured.py: the comparison itself)
