@@ -68,9 +68,10 @@ class Adapter:
     device = torch.device("cpu")
 
     def __init__(self, net):
-        self.net = net
+        self.net, self.calls = net, 0
 
     def predict(self, x, sigma, cond, guidance_scale):
+        self.calls += 1
         return self.net(x, sigma, cond)
 
 
@@ -416,8 +417,10 @@ def test_dance_grpo_flux_recipe_matches_dancegrpo():
 
     engine = Engine(s, theta, None, None)
     mini = batch[: int(cfg.algorithm.mini_batch_size)]  # one optimizer step's mini-batch (the recipe's 3 per RL step: 2 of the 6 rows)
+    assert not torch.equal(mini["sde_mask"][0], mini["sde_mask"][1])  # rows that train different steps
     ours = engine_loss(engine, algorithm.objective(), mini, 0, None)
     g_ours = grads(theta, ours)
+    assert engine.adapter.calls == 9  # one forward of all rows per trained step: the same on every FSDP rank
 
     # train_grpo_flux.py:L571-613: per sample (micro-batch 1) and each of its trained steps, ratio = exp(new − old),
     # max(−A·ratio, −A·clip(ratio, 1 ± 1e-4)) with A clipped at 5, divided by accumulation steps × 9; the ranks average

@@ -94,6 +94,12 @@ def compile_denoiser(module: torch.nn.Module, *, backend: str = "inductor", mode
             target.compile(backend=backend, dynamic=False, mode=None if mode in (None, "default") else mode)
 
 
+STEP_EDGES = ("latents", "sigmas")
+"""trajectory keys ``[B, K+1, …]``: step ``k`` reads entries ``k`` and ``k + 1``"""
+STEP_ENTRIES = ("log_probs", "sde_mask", "means", "prox_log_probs")
+"""trajectory keys ``[B, K, …]``: step ``k`` reads entry ``k``"""
+
+
 class GradModeDispatch:
     """A module's compiled call that runs ``graphs`` without gradients and ``plain`` with them."""
 
@@ -440,28 +446,36 @@ class DiffusionEngine:
 
     def _per_row_step_pieces(self, loss_fn, micro: TensorDict):
         """Per-step losses of a micro-batch whose rows train different steps (``sde_mask [B, K]`` by row: DanceGRPO's
-        per-sample choice, ``sampler.window=random_per_sample``). Step ``k`` runs on the rows that train it; every row
-        trains the same number ``n`` of steps, so a piece of ``m`` rows weighs ``m / (B·n)`` and the update is the mean
-        over rows of each row's mean over its own steps."""
+        per-sample choice, ``sampler.window=random_per_sample``). Every row trains the same number ``n`` of steps; piece
+        ``j`` scores each row at its own ``j``-th trained step (the rows' step tensors gathered into a one-step batch), so
+        every micro-batch makes ``n`` forwards of all its rows whatever its rows chose (the same collectives on every
+        FSDP rank), and the update is the mean over rows of each row's mean over its own steps."""
         mask = micro["sde_mask"].bool()
         per_row = mask.sum(1)
         if int(per_row.min()) < 1 or not bool((per_row == per_row[0]).all()):
             raise ValueError(f"rows that train different steps must each train the same number of them (≥ 1), got {per_row.tolist()}")
         self._trained_steps(micro[:1])  # a deterministic step kind has nothing to train
-        rows_total, n = micro.shape[0], int(per_row[0])
-        for k in range(mask.shape[1]):
-            rows = mask[:, k].nonzero().squeeze(1)
-            if len(rows) == 0:
-                continue
-            sub = micro[rows]
-            out = self._score_step(self.adapter, sub, k)
+        n = int(per_row[0])
+        steps = torch.stack([row.nonzero().squeeze(1) for row in mask])  # [B, n] each row's trained steps, ascending
+        rows = torch.arange(micro.shape[0], device=steps.device)
+        keys = set(micro.keys())
+        for j in range(n):
+            k = steps[:, j]
+            step = micro.exclude(*[key for key in (*STEP_EDGES, *STEP_ENTRIES) if key in keys])
+            for key in STEP_EDGES:
+                if key in keys:
+                    step.set(key, torch.stack([micro[key][rows, k], micro[key][rows, k + 1]], 1))
+            for key in STEP_ENTRIES:
+                if key in keys:
+                    step.set(key, micro[key][rows, k].unsqueeze(1))
+            out = self._score_step(self.adapter, step, 0)
             step_out = {"log_prob": out.log_prob, "mean": out.mean, "std": out.std}
             if getattr(loss_fn, "needs_reference", False):
                 with torch.no_grad(), (self.old_policy() if getattr(loss_fn, "reference_policy", "base") == "old" else self.reference()) as ref:
-                    ref_out = self._score_step(ref, sub, k)
+                    ref_out = self._score_step(ref, step, 0)
                 step_out.update(ref_mean=ref_out.mean, ref_log_prob=ref_out.log_prob)
-            loss, metrics = loss_fn(step_out, sub, k)
-            yield loss, len(rows) / (rows_total * n), metrics
+            loss, metrics = loss_fn(step_out, step, 0)
+            yield loss, 1.0 / n, metrics
 
     def _optimizer_step(self, loss: float) -> tuple[float, bool]:
         """Clip and step; ``(grad norm, skipped)``. A non-finite loss or gradient norm (the same on every rank:
