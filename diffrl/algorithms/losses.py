@@ -320,23 +320,24 @@ def nft_loss(
     adaptive_weight_min: float = 1e-5,
     kl_beta: float = 0.0,
     v_ref: torch.Tensor | None = None,
+    policy_scale: float = 1.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """DiffusionNFT's negative-aware flow-matching loss (Zheng et al. 2025, "DiffusionNFT: Online Diffusion
     Reinforcement with Forward Process", eq. 7), on forward-noised clean samples ``x_σ = (1 − σ)·x0 + σ·ε``.
 
         v⁺ = (1 − β)·v_old + β·v_θ            (implicit positive policy)
         v⁻ = (1 + β)·v_old − β·v_θ            (implicit negative policy)
-        L = (1/β)·mean_i [r_i·e(v⁺_i) + (1 − r_i)·e(v⁻_i)] + β_KL·mean_i mean_dims (v_θ − v_ref)²
+        L = s·(1/β)·mean_i [r_i·e(v⁺_i) + (1 − r_i)·e(v⁻_i)] + β_KL·mean_i mean_dims (v_θ − v_ref)²
 
-    with the target ``v* = ε − x0``. ``adaptive_weight=False``: ``e(v) = mean_dims (v − v*)²``; the minimiser
+    with the policy term's scale ``s = policy_scale`` (1; the reference code's is its ``adv_clip_max``, 5, so its KL is 5×
+    weaker relative to the policy term at the same ``β_KL``) and the target ``v* = ε − x0``. ``adaptive_weight=False``: ``e(v) = mean_dims (v − v*)²``; the minimiser
     of each sample's term over ``v_θ`` is ``v_old + (2r − 1)·(v* − v_old)/β`` (``r = ½`` keeps ``v_old``).
     ``adaptive_weight=True`` (the reference implementation): the error is taken on the x0 prediction
     ``x̂0 = x_σ − σ·v``, where ``x̂0 − x0 = σ·(v* − v)``, and divided by a detached per-sample weight:
     ``e(v) = mean_dims (σ·(v − v*))² / w``, ``w = max(mean_dims |σ·(v − v*)|, adaptive_weight_min)``, one
     ``w`` for ``v⁺`` and one for ``v⁻``. The ``1/β`` factor (as in the reference code) keeps the gradient
     scale independent of β and does not move the minimiser; the reference code also multiplies the policy
-    term by its ``adv_clip_max``, which corresponds to our ``kl_beta = its kl_beta / adv_clip_max`` up to
-    an overall factor.
+    term by its ``adv_clip_max`` (``policy_scale``). Math in fp32 (fp64 inputs stay fp64: the parity tests).
 
     Args:
         v_theta: ``[B, …]`` current velocity prediction (with grad).
@@ -346,27 +347,30 @@ def nft_loss(
         nft_beta: β > 0.
         adaptive_weight: use the x0-space adaptively weighted error; needs ``sigma`` (``[B]``).
         kl_beta: weight of the velocity KL to the reference ``v_ref`` (``[B, …]``, required when > 0).
+        policy_scale: ``s`` > 0, the policy term's scale.
     Returns:
-        ``(loss, metrics)``: ``policy_loss``, ``positive_loss``, ``negative_loss`` (means of ``e(v⁺)``,
+        ``(loss, metrics)``: ``policy_loss`` (unscaled), ``positive_loss``, ``negative_loss`` (means of ``e(v⁺)``,
         ``e(v⁻)``), ``kl``, ``r_mean``, ``old_deviate`` (mean ``(v_θ − v_old)²``).
     """
     if nft_beta <= 0:
         raise ValueError(f"nft_beta must be > 0, got {nft_beta}")
+    if policy_scale <= 0:
+        raise ValueError(f"nft policy_scale must be > 0, got {policy_scale}")
     if v_old.shape != v_theta.shape or v_target.shape != v_theta.shape:
         shapes = f"v_theta {tuple(v_theta.shape)}, v_old {tuple(v_old.shape)}, v_target {tuple(v_target.shape)}"
         raise ValueError(f"nft: {shapes} must match")
-    r = r.float()
+    r = _at_least_fp32(r)
     if r.shape != v_theta.shape[:1]:
         raise ValueError(f"nft: r must be [B] = {tuple(v_theta.shape[:1])}, got {tuple(r.shape)}")
     if bool(((r < 0) | (r > 1)).any()):
         raise ValueError("nft: r must lie in [0, 1] (map rewards with nft_reward_to_r)")
-    v_theta, v_old, v_target = v_theta.float(), v_old.float().detach(), v_target.float()
+    v_theta, v_old, v_target = _at_least_fp32(v_theta), _at_least_fp32(v_old).detach(), _at_least_fp32(v_target)
     v_pos = (1 - nft_beta) * v_old + nft_beta * v_theta
     v_neg = (1 + nft_beta) * v_old - nft_beta * v_theta
     if adaptive_weight:
         if sigma is None:
             raise ValueError("nft with adaptive_weight=True needs sigma ([B] noise level of x_σ)")
-        s = torch.as_tensor(sigma, dtype=torch.float32, device=v_theta.device).reshape(-1, *([1] * (v_theta.ndim - 1)))
+        s = torch.as_tensor(sigma, device=v_theta.device).to(v_theta.dtype).reshape(-1, *([1] * (v_theta.ndim - 1)))
 
         def error(v):
             diff = s * (v - v_target)
@@ -380,12 +384,12 @@ def nft_loss(
 
     positive, negative = error(v_pos), error(v_neg)
     policy_loss = (r * positive + (1 - r) * negative).mean() / nft_beta
-    loss = policy_loss
+    loss = policy_scale * policy_loss
     kl_value = 0.0
     if kl_beta > 0:
         if v_ref is None:
             raise ValueError("nft with kl_beta > 0 needs v_ref (the reference model's velocity)")
-        kl = _mean_over_dims((v_theta - v_ref.float().detach()) ** 2).mean()
+        kl = _mean_over_dims((v_theta - _at_least_fp32(v_ref).detach()) ** 2).mean()
         loss = loss + kl_beta * kl
         kl_value = kl.item()
     with torch.no_grad():

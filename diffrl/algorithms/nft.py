@@ -16,7 +16,7 @@ from tensordict import TensorDict
 
 from diffrl.algorithms.advantages import check_group_size
 from diffrl.algorithms.base import Algorithm, RolloutPlan, StepResult, register_algorithm, sample_only_plan
-from diffrl.algorithms.losses import nft_reward_to_r
+from diffrl.algorithms.losses import nft_loss, nft_reward_to_r
 from diffrl.algorithms.objectives import renoised_clean_samples
 from diffrl.config import AlgorithmConfig, Check, at_least, between, one_of, positive
 from diffrl.sampling.schedules import WindowMasks
@@ -90,88 +90,10 @@ class NFTObjective:
             yield loss, piece.weight, metrics
 
 
-def _compute(x: torch.Tensor) -> torch.Tensor:
-    """``x`` in fp32 (bf16/fp16/fp32 inputs), or kept in fp64 (the parity tests run the objective in fp64)."""
-    return x if x.dtype == torch.float64 else x.float()
-
-
-def _mean_over_dims(x: torch.Tensor) -> torch.Tensor:
-    return x.mean(dim=tuple(range(1, x.ndim))) if x.ndim > 1 else x
-
-
-def nft_objective_loss(
-    v_theta: torch.Tensor,
-    v_old: torch.Tensor,
-    v_target: torch.Tensor,
-    r: torch.Tensor,
-    *,
-    nft_beta: float,
-    adaptive_weight: bool,
-    sigma: torch.Tensor | None = None,
-    policy_scale: float = 1.0,
-    adaptive_weight_min: float = 1e-5,
-    kl_beta: float = 0.0,
-    v_ref: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """DiffusionNFT's loss as the objective trains it: ``diffrl.algorithms.losses.nft_loss`` (its docstring: eq. 7 of
-    Zheng et al. 2025, the ``1/β`` factor, the x0-space adaptive weight) with the policy term scaled,
-
-        L = policy_scale · (1/β)·mean_i [r_i·e(v⁺_i) + (1 − r_i)·e(v⁻_i)] + β_KL·mean_i mean_dims (v_θ − v_ref)²
-
-    The reference code's ``policy_scale`` is its ``adv_clip_max`` (5): its KL is 5× weaker relative to the policy
-    term than at ``policy_scale = 1`` with the same ``β_KL``. Math in fp32 (in fp64 for fp64 inputs). Same
-    arguments, checks and metrics as ``nft_loss``; ``policy_loss`` is the unscaled policy term.
-    """
-    if nft_beta <= 0:
-        raise ValueError(f"nft_beta must be > 0, got {nft_beta}")
-    if policy_scale <= 0:
-        raise ValueError(f"nft policy_scale must be > 0, got {policy_scale}")
-    if v_old.shape != v_theta.shape or v_target.shape != v_theta.shape:
-        shapes = f"v_theta {tuple(v_theta.shape)}, v_old {tuple(v_old.shape)}, v_target {tuple(v_target.shape)}"
-        raise ValueError(f"nft: {shapes} must match")
-    r = _compute(r)
-    if r.shape != v_theta.shape[:1]:
-        raise ValueError(f"nft: r must be [B] = {tuple(v_theta.shape[:1])}, got {tuple(r.shape)}")
-    if bool(((r < 0) | (r > 1)).any()):
-        raise ValueError("nft: r must lie in [0, 1] (map rewards with nft_reward_to_r)")
-    v_theta, v_old, v_target = _compute(v_theta), _compute(v_old).detach(), _compute(v_target)
-    v_pos = (1 - nft_beta) * v_old + nft_beta * v_theta
-    v_neg = (1 + nft_beta) * v_old - nft_beta * v_theta
-    if adaptive_weight:
-        if sigma is None:
-            raise ValueError("nft with adaptive_weight=True needs sigma ([B] noise level of x_σ)")
-        s = torch.as_tensor(sigma, device=v_theta.device).to(v_theta.dtype).reshape(-1, *([1] * (v_theta.ndim - 1)))
-
-        def error(v):
-            diff = s * (v - v_target)
-            with torch.no_grad():
-                w = _mean_over_dims(diff.abs()).clamp_min(adaptive_weight_min)
-            return _mean_over_dims(diff**2) / w
-    else:
-
-        def error(v):
-            return _mean_over_dims((v - v_target) ** 2)
-
-    positive, negative = error(v_pos), error(v_neg)
-    policy_loss = (r * positive + (1 - r) * negative).mean() / nft_beta
-    loss = policy_scale * policy_loss
-    kl_value = 0.0
-    if kl_beta > 0:
-        if v_ref is None:
-            raise ValueError("nft with kl_beta > 0 needs v_ref (the reference model's velocity)")
-        kl = _mean_over_dims((v_theta - _compute(v_ref).detach()) ** 2).mean()
-        loss = loss + kl_beta * kl
-        kl_value = kl.item()
-    with torch.no_grad():
-        metrics = {
-            "policy_loss": policy_loss.item(),
-            "positive_loss": positive.mean().item(),
-            "negative_loss": negative.mean().item(),
-            "kl": kl_value,
-            "r_mean": r.mean().item(),
-            "old_deviate": ((v_theta - v_old) ** 2).mean().item(),
-        }
-    return loss, metrics
+def nft_objective_loss(v_theta, v_old, v_target, r, **kwargs) -> tuple[torch.Tensor, dict[str, float]]:
+    """DiffusionNFT's loss as the objective trains it: :func:`diffrl.algorithms.losses.nft_loss` (eq. 7 of Zheng et al.
+    2025, the ``1/β`` factor, the x0-space adaptive weight, the policy term scaled by ``policy_scale``)."""
+    return nft_loss(v_theta, v_old, v_target, r, **kwargs)
 
 
 def old_decay(schedule: str, step: int, *, rate: float | None = None, max_decay: float | None = None, delay: int | None = None) -> float:
