@@ -131,10 +131,11 @@ def test_gradient_accumulation_invariance(tiny_adapter, which):
         batch["log_probs"], batch["means"] = td["log_probs"], td["means"]
         objective = make_step_loss("grpo_guard", clip_range=0.2)
     elif which == "nft":
-        objective = NFTObjective(nft_beta=0.7, adaptive_weight=True, kl_beta=0.1, num_timesteps=2)
+        objective = NFTObjective(nft_beta=0.7, adaptive_weight=True, kl_beta=0.1, num_timesteps=2, policy_scale=1.0)
     elif which == "awm":
         batch["advantages"] = torch.tensor([1.5, -0.5, 0.25, -2.0, 0.0, 0.75, -1.0, 3.0])
-        objective = AWMObjective(weighting="ghuber", ghuber_power=0.25, num_timesteps=2, adv_clip_max=5.0, kl_beta=0.1)
+        objective = AWMObjective(weighting="ghuber", ghuber_power=0.25, num_timesteps=2, adv_clip_max=5.0, kl_beta=0.1,
+                                 timestep_sampling="shuffle", timestep_fraction=1.0, advantage_max=1.0, ema_beta=0.0)
     else:
         pairs = online_pairs(batch, torch.tensor([0.1, 0.9, 0.5, 0.2, 0.7, 0.3, 0.3, 0.8]))
         batch = torch.cat([pairs, pairs])  # 4 pairs

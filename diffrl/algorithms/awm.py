@@ -91,7 +91,7 @@ class AWMObjective:
     loss_name = "awm"
 
     def __init__(self, *, weighting: str, ghuber_power: float, num_timesteps: int, adv_clip_max: float, kl_beta: float,
-                 timestep_sampling: str = "shuffle", timestep_fraction: float = 1.0, advantage_max: float = 1.0, ema_beta: float = 0.0):
+                 timestep_sampling: str, timestep_fraction: float, advantage_max: float, ema_beta: float):
         self.weighting, self.ghuber_power, self.num_timesteps = weighting, ghuber_power, num_timesteps
         self.adv_clip_max, self.kl_beta, self.advantage_max, self.ema_beta = adv_clip_max, kl_beta, advantage_max, ema_beta
         self.timestep_sampling, self.timestep_fraction = timestep_sampling, timestep_fraction

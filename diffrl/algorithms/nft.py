@@ -68,7 +68,7 @@ class NFTObjective:
 
     loss_name = "nft"
 
-    def __init__(self, *, nft_beta: float, adaptive_weight: bool, kl_beta: float, num_timesteps: int | None, policy_scale: float = 1.0):
+    def __init__(self, *, nft_beta: float, adaptive_weight: bool, kl_beta: float, num_timesteps: int | None, policy_scale: float):
         self.nft_beta, self.adaptive_weight, self.kl_beta = nft_beta, adaptive_weight, kl_beta
         self.num_timesteps, self.policy_scale = num_timesteps, policy_scale
         self.needs_reference = kl_beta > 0
