@@ -193,7 +193,8 @@ class SamplerConfig:
     clip_sample: Optional[float] = None
     """ddim: clamp the predicted x0 to [-clip_sample, clip_sample] (pixel-space DDPM models); null: no clamp"""
     window: str = "all"
-    """training window: all | fraction | fast (Flow-GRPO-Fast) | mixgrpo | random (DanceGRPO)"""
+    """training window: all | fraction | fast (Flow-GRPO-Fast) | mixgrpo | random (DanceGRPO, one choice per RL step) |
+    random_per_sample (DanceGRPO's reference code: each sample its own steps, never the last)"""
     timestep_fraction: float = 1.0
     """fraction of steps trained by the fraction and random windows"""
     window_size: int = 2

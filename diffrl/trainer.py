@@ -298,7 +298,9 @@ class Trainer:
     def throughput(self, record: dict, times: dict) -> dict:
         """The step's images/s and MFU (:func:`diffrl.run_report.throughput`)."""
         W = self.workers.world_size
-        return throughput(self.cfg, self.algorithm, self.flops, int(self.window.masks(0).trained.sum()), W,
+        masks = self.window.masks(0)  # steps each sample trains: its own per_sample of the candidates (DanceGRPO), else all
+        trained = masks.per_sample or int(masks.trained.sum())
+        return throughput(self.cfg, self.algorithm, self.flops, trained, W,
                           self.replicas.replicas if self.replicas is not None else W, record, times)
 
     def trainer_state(self) -> dict:
