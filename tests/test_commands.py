@@ -288,6 +288,13 @@ def test_bad_checkpoints_and_configs_fail_with_a_clear_message(run, tmp_path, ca
     assert "selects a config group" in err and "--recipe-config" in err
     err = error("sample", "--run", str(run), "--out", str(tmp_path / "o8"))
     assert "--prompts" in err
+    # a run folder whose config.yaml names a key this diffrl's schema for its algorithm lacks: one line naming it
+    edited = tmp_path / "edited_run"
+    shutil.copytree(run, edited)
+    text = (edited / "config.yaml").read_text()
+    (edited / "config.yaml").write_text(text.replace("\n  clip_range:", "\n  clip_rang:", 1))
+    err = error("eval", "--run", str(edited), "--out", str(tmp_path / "o11"))
+    assert err.count("\n") == 1 and "does not fit this diffrl's config schema" in err and "'algorithm.clip_rang'" in err, err
     # full fine-tuning has no LoRA to export
     full = _digits_engine(None, rank=0)
     ckpt = save_engine(full, tmp_path / "full" / "checkpoints", global_step=1)
