@@ -49,29 +49,19 @@ def randomise_lora(module: torch.nn.Module, scale: float = 0.05, seed: int = 0) 
 
 # Tiers. The README's `python -m pytest` runs the fast tier (`-m "not slow"` in pyproject.toml's addopts): unit, parity,
 # user-surface, architecture and short learning tests. `pytest -m slow` runs the rest (the default recipe end to end,
-# plan vs the H200 measurements, the notebooks, long runs, multi-node Ray); CI runs both. `recipe` implies `slow`.
+# plan vs the H200 measurements, the notebooks, long runs, Ray parity runs); `pytest tests/test_ray_cluster.py -m multinode -n 0` the two-node Ray
+# cluster, alone (its `ray stop --force` ends every Ray process on the machine). CI runs all three. `recipe` implies `slow`.
 #
 # Numerics: every fast test is also a `numerics` test unless its module says `pytestmark = pytest.mark.exact` (it compares no
 # floats computed along different code paths: messages, files, configs, processes). CI runs the numerics tests again
-# under ATEN_CPU_CAPABILITY=default (and avx2 on an AVX-512 CPU): a tolerance that holds only with one CPU's float32
+# under ATEN_CPU_CAPABILITY=avx2 on an AVX-512 CPU (else default): a tolerance that holds only with one CPU's float32
 # kernels then fails in CI, not on a user's machine. A new test module is a numerics module until it says otherwise.
 
 
-# modules that start Ray clusters or actors
-RAY_MODULES = {"tests/test_scale_out.py", "tests/test_rollout_replicas.py", "tests/test_sequence_parallel.py", "tests/test_ray_cluster.py",
-               "tests/faults/test_fault_ray.py", "tests/test_group_size_errors.py"}
-
-
-@pytest.hookimpl(tryfirst=True)  # before `-m` deselects and before xdist reads the groups
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        # a module-scoped fixture (a trained run, two gloo ranks) is built once: its module's tests share one xdist worker
-        defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
-        if item.nodeid.split("::", 1)[0] in RAY_MODULES:  # one Ray cluster at a time: the Ray modules share one xdist worker
-            item.add_marker(pytest.mark.xdist_group("ray"))
-        elif any(d.scope in ("module", "class") and d.baseid and item.nodeid.startswith(d.baseid) for ds in defs.values() for d in ds):
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
         if item.get_closest_marker("recipe") is not None:
             item.add_marker(pytest.mark.slow)
-        if item.get_closest_marker("slow") is None and item.get_closest_marker("exact") is None:
+        if item.get_closest_marker("slow") is None and item.get_closest_marker("multinode") is None and item.get_closest_marker("exact") is None:
             item.add_marker(pytest.mark.numerics)

@@ -71,7 +71,7 @@ def test_node_plan_packs_ranks_node_by_node_and_names_what_is_missing():
         _node_plan(nodes, 17, 1.0, 1.0, driver_ip="10.0.0.1")
 
 
-@pytest.mark.slow
+@pytest.mark.multinode  # `ray stop --force` at its end stops every Ray process on the machine: run alone (pytest tests/test_ray_cluster.py -m multinode -n 0)
 def test_two_nodes_one_rank_each_rendezvous_at_rank0_and_match_the_local_run(tmp_path, two_node_cluster):
     import ray
 

@@ -186,7 +186,7 @@ def synchronous_run(tmp_path_factory):
 def ray_cluster():
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=150 * 1024 * 1024, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=150 * 1024 * 1024, log_to_driver=False)
     yield
     ray.shutdown()
 

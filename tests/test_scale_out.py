@@ -76,7 +76,7 @@ def test_ray_two_workers_fsdp2_match_the_local_worker(tmp_path, extra):
     local = Trainer(compose(_overrides(tmp_path, tmp_path / "local", *extra)))
     local.fit()
     expected = local.workers.trainable_state()
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=150 * 1024 * 1024, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=150 * 1024 * 1024, log_to_driver=False)
     try:
         distributed = Trainer(compose(_overrides(tmp_path, tmp_path / "ray", "distributed.backend=ray", "distributed.num_workers=2", *extra)))
         distributed.fit()

@@ -219,7 +219,7 @@ def test_ray_sequence_parallel_trains_what_the_local_worker_trains(tmp_path):
     local = Trainer(compose(_overrides(tmp_path, tmp_path / "local")))
     local.fit()
     expected = local.workers.trainable_state()
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=150 * 1024 * 1024, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=150 * 1024 * 1024, log_to_driver=False)
     try:
         split = Trainer(compose(_overrides(tmp_path, tmp_path / "sp", "distributed.backend=ray", "distributed.num_workers=2", "model.sequence_parallel=2")))
         assert (split.workers.world_size, split.workers.dp_size) == (2, 1)
