@@ -265,7 +265,7 @@ def _rank_main(rank: int, port: int, folder: str) -> None:
 def two_ranks(tmp_path_factory):
     folder = tmp_path_factory.mktemp("fsdp_masters")
     mp.start_processes(_rank_main, args=(_free_port(), str(folder)), nprocs=2, start_method="spawn")
-    return folder, [torch.load(folder / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return folder, [torch.load(folder / f"rank{r}.pt", weights_only=True) for r in range(2)]
 
 
 def test_fsdp2_shards_fp32_masters_and_matches_one_process(two_ranks, one_process):

@@ -97,6 +97,18 @@ def _group_index(group_id: torch.Tensor) -> tuple[torch.Tensor, int]:
     return inverse, int(inverse.max()) + 1 if inverse.numel() else 0
 
 
+def _group_means_fp64(rewards: torch.Tensor, group_id: torch.Tensor):
+    """``(r, inverse, n_groups, counts, means)``: the rewards in float64, each sample's group index, and each group's
+    size and mean (float64), after checking that ``rewards`` and ``group_id`` are both ``[B]``."""
+    if rewards.shape != group_id.shape or rewards.ndim != 1:
+        raise ValueError(f"rewards {tuple(rewards.shape)} and group_id {tuple(group_id.shape)} must both be [B]")
+    r = rewards.double()
+    inverse, n_groups = _group_index(group_id)
+    counts = torch.zeros(n_groups, dtype=r.dtype, device=r.device).index_add_(0, inverse, torch.ones_like(r))
+    means = torch.zeros(n_groups, dtype=r.dtype, device=r.device).index_add_(0, inverse, r) / counts
+    return r, inverse, n_groups, counts, means
+
+
 def group_std_keep_mask(
     rewards: torch.Tensor,
     group_id: torch.Tensor,
@@ -119,12 +131,7 @@ def group_std_keep_mask(
     """
     if min_std < 0:
         raise ValueError(f"min_std must be >= 0, got {min_std}")
-    if rewards.shape != group_id.shape or rewards.ndim != 1:
-        raise ValueError(f"rewards {tuple(rewards.shape)} and group_id {tuple(group_id.shape)} must both be [B]")
-    r = rewards.double()
-    inverse, n_groups = _group_index(group_id)
-    counts = torch.zeros(n_groups, dtype=r.dtype, device=r.device).index_add_(0, inverse, torch.ones_like(r))
-    means = torch.zeros(n_groups, dtype=r.dtype, device=r.device).index_add_(0, inverse, r) / counts
+    r, inverse, n_groups, counts, means = _group_means_fp64(rewards, group_id)
     var = torch.zeros(n_groups, dtype=r.dtype, device=r.device).index_add_(0, inverse, (r - means[inverse]) ** 2) / counts
     hi = torch.full((n_groups,), -torch.inf, dtype=r.dtype, device=r.device).scatter_reduce(0, inverse, r, "amax")
     lo = torch.full((n_groups,), torch.inf, dtype=r.dtype, device=r.device).scatter_reduce(0, inverse, r, "amin")
@@ -148,12 +155,7 @@ def nonzero_advantage_keep_mask(rewards: torch.Tensor, group_id: torch.Tensor) -
     Returns:
         ``(keep, n_dropped_samples)``: ``keep`` a ``[B]`` bool mask.
     """
-    if rewards.shape != group_id.shape or rewards.ndim != 1:
-        raise ValueError(f"rewards {tuple(rewards.shape)} and group_id {tuple(group_id.shape)} must both be [B]")
-    r = rewards.double()
-    inverse, n_groups = _group_index(group_id)
-    counts = torch.zeros(n_groups, dtype=r.dtype, device=r.device).index_add_(0, inverse, torch.ones_like(r))
-    means = torch.zeros(n_groups, dtype=r.dtype, device=r.device).index_add_(0, inverse, r) / counts
+    r, inverse, n_groups, counts, means = _group_means_fp64(rewards, group_id)
     keep = (r - means[inverse]) != 0
     return keep, int((~keep).sum())
 
