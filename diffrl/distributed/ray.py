@@ -179,7 +179,25 @@ class RayExecutor(Executor):
                     results[i] = ray.get(ref)
                 except ray.exceptions.RayActorError as exc:
                     raise WorkerLostError(f"{what}: the worker of rank {i} on {self.rank_nodes[i]} died ({type(exc).__name__})") from None
+                except ray.exceptions.RayTaskError:
+                    # a live rank's collective fails ("connection reset by peer") when a peer dies; that
+                    # error can arrive before the dead rank's: the lost rank is the cause to report
+                    self._raise_if_a_rank_died(refs, pending, what)
+                    raise
         return [results[i] for i in range(len(refs))]
+
+    def _raise_if_a_rank_died(self, refs: list, pending: list, what: str, grace_s: float = 10.0) -> None:
+        import ray
+
+        done, _ = ray.wait(pending, num_returns=len(pending), timeout=grace_s) if pending else ([], [])
+        for ref in done:
+            i = refs.index(ref)
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError as exc:
+                raise WorkerLostError(f"{what}: the worker of rank {i} on {self.rank_nodes[i]} died ({type(exc).__name__})") from None
+            except Exception:
+                pass
 
     def call_all(self, method: str, args_per_rank: list[tuple], kwargs: dict) -> list:
         return self.collect(self.submit(method, args_per_rank, kwargs), f"worker call {method}")

@@ -82,3 +82,33 @@ def test_lost_rank_restarts_from_the_newest_checkpoint_or_stops_naming_it(tmp_pa
     stopped.close()
     message = str(info.value)
     assert "\n" not in message and "rank 0" in message and "step_000001" in message and "trainer.max_restarts" in message
+
+
+def test_a_peers_collective_error_that_comes_first_still_reports_the_dead_rank(cluster):
+    """When a rank dies, the live rank's collective fails at once; its error must not hide the cause (a lost
+    rank, which the driver restarts or names) even when it reaches the driver first."""
+    from diffrl.distributed.controller import WorkerLostError
+    from diffrl.distributed.ray import RayExecutor
+
+    class _Rank:  # defined here so that Ray pickles it by value (the workers cannot import this test module)
+        def die_after(self, seconds: float) -> None:
+            import time
+
+            time.sleep(seconds)
+            os._exit(1)
+
+        def collective_fails(self) -> None:
+            raise RuntimeError("Read error [127.0.0.1]:9140: Connection reset by peer")
+
+    executor = object.__new__(RayExecutor)
+    executor.rank_nodes = ["10.0.0.1", "10.0.0.2"]
+    dying, live = (ray.remote(num_cpus=0)(_Rank).remote() for _ in range(2))
+    refs = [dying.die_after.remote(2.0), live.collective_fails.remote()]
+    ray.wait([refs[1]], timeout=30)  # the live rank's error is there first
+    assert ray.wait([refs[0]], timeout=0)[0] == []
+    with pytest.raises(WorkerLostError, match=r"^worker call x: the worker of rank 0 on 10\.0\.0\.1 died"):
+        executor._get(refs, "worker call x", 60)
+    # a task error with every rank alive is the error itself
+    live2 = ray.remote(num_cpus=0)(_Rank).remote()
+    with pytest.raises(ray.exceptions.RayTaskError, match="Connection reset by peer"):
+        executor._get([live2.collective_fails.remote()], "worker call y", 60)
