@@ -13,12 +13,13 @@ Building happens under :func:`building`: ``torch.device(device)`` and the target
 transformer is allocated once, on the GPU, in bf16 (no 80 GB fp32 detour through host memory), and on
 ``device="meta"`` it allocates nothing at all (parameter counts, FLOP counting).
 
-The text encoders of a published shape are 2-layer random encoders of the family's classes (CLIP, T5,
-UMT5, Qwen2.5-VL) whose output width and token counts are the real ones (CLIP-L 768, CLIP-G 1280,
-T5/UMT5 4096, Qwen2.5-VL 3584; T5 padded to the family's ``max_sequence_length``), so the transformer sees
-conditionings of the real shape. They run once per prompt (the embeddings are cached, and the encoders can
-be dropped: ``drop_text_encoders``), so their depth does not enter rollout or training; a real run loads
-the real encoders from ``model.path``.
+The text encoders of a published shape are the family's published ones at their published configs (CLIP-L,
+OpenCLIP bigG's text tower, T5-XXL's and UMT5-XXL's encoders, Qwen2.5-VL-7B with its vision tower: :data:`TEXT_ENCODERS`),
+random, over small offline tokenizers whose ids fall inside the published vocabularies, so that a plan or a benchmark
+holds what a real run holds (about 10 GiB of bf16 text encoders beside SD3.5 and FLUX.1, 15 GiB beside Qwen-Image)
+until ``drop_text_encoders`` frees them. ``Shape.stand_in_text=True`` builds 2-layer stand-ins of the real output
+widths and token counts instead (CLIP-L 768, CLIP-G 1280, T5/UMT5 4096, Qwen2.5-VL 3584): tests that run a
+published shape's text side on a CPU. A real run loads the real encoders from ``model.path``.
 
 Transformer parameters (counted on ``meta``, ``tests/test_shapes.py``): Qwen-Image (and Qwen-Image-Edit) 20.43 B,
 Wan2.1-T2V-14B 14.29 B, FLUX.1-dev (and FLUX.1-Kontext-dev) 11.90 B, SD3.5-Large 8.06 B, SD3.5-Medium 2.24 B,
@@ -41,10 +42,40 @@ SD3_FLUX_VAE = dict(
 )
 
 
+# The published text encoders (transformers config keyword arguments of their published config.json). Token ids are left to
+# the builders: they come from the small offline tokenizers, whose ids fall inside these vocabularies.
+CLIP_L_TEXT = dict(  # stabilityai/stable-diffusion-3.5-medium text_encoder/config.json = openai/clip-vit-large-patch14's text model
+    hidden_size=768, intermediate_size=3072, num_attention_heads=12, num_hidden_layers=12, vocab_size=49408, max_position_embeddings=77,
+    projection_dim=768, hidden_act="quick_gelu", layer_norm_eps=1e-5,
+)
+CLIP_G_TEXT = dict(  # stabilityai/stable-diffusion-3.5-medium text_encoder_2/config.json = laion/CLIP-ViT-bigG-14's text model
+    hidden_size=1280, intermediate_size=5120, num_attention_heads=20, num_hidden_layers=32, vocab_size=49408, max_position_embeddings=77,
+    projection_dim=1280, hidden_act="gelu", layer_norm_eps=1e-5,
+)
+T5_XXL_ENCODER = dict(  # stabilityai/stable-diffusion-3.5-medium text_encoder_3/config.json, FLUX.1-dev text_encoder_2 = google/t5-v1_1-xxl
+    d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64, vocab_size=32128, feed_forward_proj="gated-gelu",
+    relative_attention_num_buckets=32, relative_attention_max_distance=128, layer_norm_epsilon=1e-6, dropout_rate=0.0,
+)
+UMT5_XXL_ENCODER = dict(T5_XXL_ENCODER, vocab_size=256384)  # Wan-AI/Wan2.1-T2V-14B-Diffusers text_encoder/config.json = google/umt5-xxl
+QWEN2_5_VL_7B = dict(  # Qwen/Qwen-Image text_encoder/config.json = Qwen/Qwen2.5-VL-7B-Instruct (its vision tower and lm_head included)
+    text=dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+              vocab_size=152064, max_position_embeddings=128000, rms_norm_eps=1e-6, tie_word_embeddings=False,
+              rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]}),
+    vision=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584, patch_size=14, spatial_merge_size=2,
+                temporal_patch_size=2, window_size=112, fullatt_block_indexes=[7, 15, 23, 31], in_chans=3),
+)
+TEXT_ENCODERS = {"clip_l": CLIP_L_TEXT, "clip_g": CLIP_G_TEXT, "t5": T5_XXL_ENCODER, "umt5": UMT5_XXL_ENCODER, "qwen2_5_vl": QWEN2_5_VL_7B}
+"""the text encoders of the published shapes by the key their ``text_widths`` names them with"""
+TEXT_ENCODER_PARAMS = {"clip_l": 123_650_304, "clip_l_unprojected": 123_060_480, "clip_g": 694_659_840, "t5": 4_762_310_656,
+                       "umt5": 5_680_910_336, "qwen2_5_vl": 8_292_166_656}
+"""their parameters, counted on ``meta`` from :data:`TEXT_ENCODERS` (``tests/test_plan.py``): CLIP-L with its projection (SD3) and
+without (FLUX.1's ``CLIPTextModel``), CLIP-G with its projection, the T5-XXL and UMT5-XXL encoders, Qwen2.5-VL-7B whole"""
+
+
 @dataclass(frozen=True)
 class Shape:
-    """A published model: the family, the transformer's and the VAE's diffusers configs, the widths of the
-    text encoders' outputs and the T5-style sequence length the family's pipeline pads to."""
+    """A published model: the family, the transformer's and the VAE's diffusers configs, its text encoders (a key
+    of :data:`TEXT_ENCODERS` → their output width) and the T5-style sequence length the family's pipeline pads to."""
 
     name: str
     family: str
@@ -54,6 +85,8 @@ class Shape:
     max_sequence_length: int = 512
     params_billion: float = 0.0
     source: str = ""
+    stand_in_text: bool = False
+    """True: 2-layer text encoders of the real widths (tests on a CPU); False: the published configs (:data:`TEXT_ENCODERS`)"""
 
 
 SHAPES: dict[str, Shape] = {}
@@ -152,16 +185,35 @@ def building(device: str | torch.device = "cpu", dtype: str | torch.dtype = "flo
 
 
 def clip_config(base: dict, width: int) -> dict:
-    """A CLIP text config of ``base`` widened to hidden size and projection ``width`` (heads of 64)."""
+    """A CLIP text config of ``base`` widened to hidden size and projection ``width`` (heads of 64): the stand-in."""
     return dict(base, hidden_size=width, projection_dim=width, intermediate_size=width, num_attention_heads=max(1, width // 64))
 
 
 def t5_config(base: dict, width: int) -> dict:
-    """A T5/UMT5 encoder config of ``base`` with model width ``width`` (8 heads of 64, feed-forward 1024)."""
+    """A T5/UMT5 encoder config of ``base`` with model width ``width`` (8 heads of 64, feed-forward 1024): the stand-in."""
     return dict(base, d_model=width, d_kv=64, num_heads=8, d_ff=1024)
+
+
+_TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
+
+
+def text_config(shape: Shape, name: str, tiny: dict, vocab_size: int | None = None) -> dict:
+    """The config keyword arguments of ``shape``'s text encoder ``name`` (``clip_l``, ``clip_g``, ``t5``, ``umt5``): the
+    published one (:data:`TEXT_ENCODERS`) with the token ids of ``tiny`` (the tiny config of the offline tokenizer
+    the shape is built with); with ``shape.stand_in_text`` the 2-layer stand-in of the published width over ``tiny``
+    (``vocab_size``: the tokenizer's). A tokenizer larger than the published vocabulary is an error."""
+    width = shape.text_widths[name]
+    if shape.stand_in_text:
+        config = clip_config(tiny, width) if name.startswith("clip") else t5_config(tiny, width)
+        return config if vocab_size is None else dict(config, vocab_size=vocab_size)
+    published = TEXT_ENCODERS[name]
+    if vocab_size is not None and vocab_size > published["vocab_size"]:
+        raise ValueError(f"a tokenizer of {vocab_size} ids does not fit {name}'s published vocabulary of {published['vocab_size']}")
+    return {**published, **{k: tiny[k] for k in _TOKEN_IDS if k in tiny}}
 
 
 __all__ = [
     "FULL", "PARENT_SHAPES", "SHAPES", "SD3_FLUX_VAE", "Shape", "building", "check_shape_path", "clip_config", "family_components", "parent_shape",
-    "plain", "register_shape", "resolve_shape", "shape_names", "t5_config",
+    "plain", "register_shape", "resolve_shape", "shape_names", "t5_config", "text_config", "TEXT_ENCODERS", "TEXT_ENCODER_PARAMS",
+    "CLIP_L_TEXT", "CLIP_G_TEXT", "T5_XXL_ENCODER", "UMT5_XXL_ENCODER", "QWEN2_5_VL_7B",
 ]

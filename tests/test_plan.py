@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import sys
 import weakref
@@ -223,3 +224,104 @@ def test_train_warns_before_a_gpu_run_that_does_not_fit():
     assert planner.preflight(off, compose(off), memory_gib=0.01) is None
     assert planner.preflight([], compose([]), memory_gib=0.01) is None  # a CPU run
     assert planner.gpu_kind("NVIDIA H200") == "h200" and planner.gpu_kind("NVIDIA A100-SXM4-40GB").startswith("a100")
+
+
+# the text encoders of each published shape: families → the TEXT_ENCODER_PARAMS keys of what its pipeline loads
+_TEXT_SIDE = {"sd3": ("clip_l", "clip_g", "t5"), "flux": ("clip_l_unprojected", "t5"), "flux_kontext": ("clip_l_unprojected", "t5"),
+              "qwen_image": ("qwen2_5_vl",), "qwen_image_edit": ("qwen2_5_vl",), "wan": ("umt5",), "wan22": ("umt5",)}
+
+
+def test_published_text_encoder_configs_have_the_published_parameter_counts():
+    """Each published config, built with transformers' classes on ``meta``, has the parameters its model card states (T5-XXL's
+    encoder 4.76 B, UMT5-XXL's 5.68 B, CLIP-L's text tower 123 M, OpenCLIP bigG's 695 M, Qwen2.5-VL-7B 8.29 B with its 677 M
+    vision tower and 545 M lm_head); :data:`pipelines.shapes.TEXT_ENCODER_PARAMS` holds the exact counts."""
+    from transformers import (CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, T5Config, T5EncoderModel, UMT5Config, UMT5EncoderModel)
+
+    from pipelines.qwen_image.adapter import qwen_text_config
+    from pipelines.shapes import SHAPES, TEXT_ENCODER_PARAMS, TEXT_ENCODERS
+
+    def count(module):
+        return sum(p.numel() for p in module.parameters())
+
+    with torch.device("meta"):
+        built = {
+            "clip_l": CLIPTextModelWithProjection(CLIPTextConfig(**TEXT_ENCODERS["clip_l"])),
+            "clip_l_unprojected": CLIPTextModel(CLIPTextConfig(**TEXT_ENCODERS["clip_l"])),
+            "clip_g": CLIPTextModelWithProjection(CLIPTextConfig(**TEXT_ENCODERS["clip_g"])),
+            "t5": T5EncoderModel(T5Config(**TEXT_ENCODERS["t5"])),
+            "umt5": UMT5EncoderModel(UMT5Config(**TEXT_ENCODERS["umt5"])),
+        }
+        from transformers import Qwen2_5_VLForConditionalGeneration
+        built["qwen2_5_vl"] = qwen = Qwen2_5_VLForConditionalGeneration(qwen_text_config(1000, SHAPES["qwen_image"]))
+    counts = {k: count(m) for k, m in built.items()}
+    assert counts == TEXT_ENCODER_PARAMS
+    published = {"clip_l": 123.65e6, "clip_l_unprojected": 123.06e6, "clip_g": 694.7e6, "t5": 4.762e9, "umt5": 5.681e9, "qwen2_5_vl": 8.292e9}
+    for k, v in published.items():
+        assert counts[k] == pytest.approx(v, rel=1e-3), k
+    assert count(qwen.model.visual) == pytest.approx(676.6e6, rel=1e-3) and count(qwen.lm_head) == 152064 * 3584
+
+
+@pytest.mark.parametrize("name", ["sd35_medium", "sd35_large", "flux_dev", "flux_kontext", "qwen_image", "qwen_image_edit", "wan21_1_3b",
+                                  "wan21_14b", "wan22_a14b"])
+def test_published_shapes_carry_the_published_text_encoders(name, monkeypatch):
+    """A published shape built on ``meta`` holds its family's published text encoders, parameter for parameter (the 2-layer
+    stand-ins of ``stand_in_text`` hold under a tenth of them)."""
+    from pipelines import build_adapter
+    from pipelines.base import known_families
+    from pipelines.shapes import PARENT_SHAPES, SHAPES, TEXT_ENCODER_PARAMS
+
+    known_families()  # each family registers its published shapes on import
+    shape = SHAPES[name]
+    adapter = build_adapter(shape.family, shape=name, device="meta", dtype="bfloat16")
+    held = sum(p.numel() for m in adapter.text_encoders.values() for p in m.parameters())
+    assert held == sum(TEXT_ENCODER_PARAMS[k] for k in _TEXT_SIDE[shape.family])
+    for built in {name, PARENT_SHAPES.get(name, name)}:  # an editing shape builds through its parent's
+        monkeypatch.setitem(SHAPES, built, dataclasses.replace(SHAPES[built], stand_in_text=True))
+    stand_in = build_adapter(shape.family, shape=name, device="meta", dtype="bfloat16")
+    assert 0 < sum(p.numel() for m in stand_in.text_encoders.values() for p in m.parameters()) < held / 10
+
+
+def test_reward_models_are_counted_from_their_published_weights():
+    """Each published reward checkpoint's parameters are those of its published architecture (built on ``meta``): PickScore's
+    and HPSv2's CLIP ViT-H/14 986 M, CLIP ViT-L/14 428 M, …; a recipe's reward on ``cuda`` holds them at its dtype beside
+    rank 0's policy (PickScore in fp32: 3.67 GiB), one on the CPU nothing, and a local checkpoint is listed as not counted."""
+    from diffrl.recipes import compose
+    from diffrl.tools.plan_rewards import REWARD_PARAMS, published_reward_model, reward_bytes
+
+    with torch.device("meta"):
+        counts = {ref: sum(p.numel() for p in published_reward_model(ref).parameters()) for ref in REWARD_PARAMS}
+    assert counts == {ref: params for ref, (params, _) in REWARD_PARAMS.items()}
+    assert counts["yuvalkirstain/PickScore_v1"] == pytest.approx(986e6, rel=1e-3)
+    cfg = compose(["experiment=sd35m_pickscore_flow_grpo"])
+    assert reward_bytes(cfg) == ({"pickscore": 4 * counts["yuvalkirstain/PickScore_v1"]}, [])
+    half = compose(["experiment=sd35m_pickscore_flow_grpo", "+reward.options.pickscore.dtype=bfloat16"])
+    assert reward_bytes(half)[0] == {"pickscore": 2 * counts["yuvalkirstain/PickScore_v1"]}
+    assert reward_bytes(compose(["experiment=sd35m_pickscore_flow_grpo", "reward.options.pickscore.device=cpu"])) == ({}, [])
+    local = compose(["experiment=sd35m_pickscore_flow_grpo", "+reward.options.pickscore.checkpoint=/models/my_pickscore"])
+    held, missing = reward_bytes(local)
+    assert held == {"pickscore": 0} and len(missing) == 1 and "/models/my_pickscore" in missing[0] and "+reward.options.pickscore.checkpoint" in missing[0]
+
+
+def test_recommendations_start_from_the_peak_phase_and_end_with_the_overrides():
+    """Dropping the text encoders first, then the knobs of the phase that peaks before the other's; ``param_offload`` on
+    sharded ranks and more GPUs with it; the report's last line is the exact overrides to add."""
+    from diffrl.recipes import compose
+
+    cfg = compose(["experiment=sd35m_pickscore_flow_grpo"])
+    rollout_first = [c[0] for c in planner.candidates(cfg, 1, "rollout_after_update")]
+    train_first = [c[0] for c in planner.candidates(cfg, 1, "train")]
+    assert rollout_first[0] == train_first[0] == "drop the text encoders after caching the prompts"
+    assert rollout_first[1].startswith("rollout micro-batch") and train_first[1].startswith("training micro-batch")
+    assert "drop the text encoders after caching the prompts" not in [c[0] for c in planner.candidates(cfg, 1, "train", text_encoders=False)]
+    sharded = compose(["experiment=sd35m_pickscore_flow_grpo", "model.fsdp=true"])
+    names = [c[0] for c in planner.candidates(sharded, 8, "train")]
+    assert "FSDP2 shards on the host (param_offload)" in names and "16 GPUs (FSDP2, shards on the host)" in names
+    assert names.index("16 GPUs (FSDP2)") < names.index("16 GPUs (FSDP2, shards on the host)")
+    r = {"overrides": ["experiment=x"], "gpus": 1, "gpu": "h100", "recommendation": {"change": "c", "overrides": ["+model.options.drop_text_encoders=true"],
+         "gpus": 1, "peak_gib": 70.0, "step_s": 1.0}}
+    assert planner.next_step(r) == ("add +model.options.drop_text_encoders=true: "
+                                    "diffrl plan experiment=x +model.options.drop_text_encoders=true --gpus 1 --gpu h100")
+    r = {"overrides": ["experiment=x"], "gpus": 1, "gpu": "h100", "recommendation": None,
+         "tried": [{"change": "a", "overrides": ["sampler.micro_batch_size=8"], "gpus": 1, "peak_gib": 90.0},
+                   {"change": "b", "gpus": 2, "peak_gib": 150.0, "note": "its weights and optimizer state alone exceed the budget"}]}
+    assert planner.next_step(r) == "closest: a at 90.0 GiB per GPU; try diffrl plan experiment=x sampler.micro_batch_size=8 --gpus 1 --gpu h200"

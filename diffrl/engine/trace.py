@@ -51,9 +51,10 @@ SMALL_INDEX = 1 << 24
 """elements up to which an integer or boolean tensor whose inputs are all real stays real (a batch's token masks)"""
 ALLOCATION_UNIT = 512
 """bytes: CUDA's caching allocator rounds every block up to a multiple of this"""
-# ops whose output may be far larger than their inputs: their output size is checked on fake tensors first
+# ops whose output may be far larger than their inputs: their output size is checked on fake tensors first (a stack of
+# a thousand per-sample noises of SMALL elements each is a big tensor: computing it for real cost most of a plan's minutes)
 _GROWING = {"new_empty", "new_zeros", "new_ones", "new_full", "new_empty_strided", "repeat", "repeat_interleave", "empty_like", "zeros_like",
-            "ones_like", "full_like", "rand_like", "randn_like", "expand_copy", "tile"}
+            "ones_like", "full_like", "rand_like", "randn_like", "expand_copy", "tile", "stack", "cat", "concat"}
 _aten = torch.ops.aten
 # ops through which a fake "is finite" boolean stays one (a value read from any other fake boolean reads False)
 _KEEPS_TRUTH = {_aten.all, _aten.logical_and, _aten.bitwise_and, _aten._to_copy, _aten.alias, _aten.view, _aten.squeeze, _aten.clone,

@@ -23,12 +23,18 @@ whole:
 * FLOPs of one RL step (the rollout's and the update's: the traced micro-batch × micro-batches × trained
   steps), and the seconds and images/s they take at a per-GPU MFU: the one measured on an H200 for that
   model (:data:`MEASURED_MFU`, its source named) or ``--mfu``;
-* when the peak exceeds the budget, the cheapest change that fits (each candidate planned again), or that
-  nothing tried fits.
+* the text encoders as the run holds them (published shapes build the published ones: T5-XXL and the CLIPs,
+  Qwen2.5-VL-7B, UMT5-XXL), until ``drop_text_encoders`` frees them after the prompts are cached;
+* the reward models of ``reward.names`` that run on a GPU, from the published weights they declare
+  (:mod:`diffrl.tools.plan_rewards`), beside rank 0's policy (the trainer's process builds them); the EMA adapter
+  of ``eval.ema``;
+* when the peak exceeds the budget, the cheapest change that fits (each candidate planned again), starting from
+  the phase that peaks and trying text-encoder dropping, ``param_offload`` and more GPUs, ending with the exact
+  overrides to add; or, when nothing tried fits, what came closest.
 
-Not counted: reward models (they may run on the GPU beside the policy: add their weights), evaluations,
-CUDA's workspaces and the caching allocator's fragmentation (the measured peaks in ``benchmarks/RESULTS.md``
-"diffrl plan against the H200 measurements" show how close the rest is).
+Not counted (printed as such): reward models' activations while scoring and any reward whose weights are not
+known, evaluations, CUDA's context and workspaces and the caching allocator's fragmentation (the measured peaks in
+``benchmarks/RESULTS.md`` "diffrl plan against the H200 measurements" show how close the rest is).
 """
 
 from __future__ import annotations
@@ -36,7 +42,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import logging
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -55,6 +63,7 @@ from diffrl.recipes import compose, validate
 from diffrl.recipes import check_sizes
 from diffrl.rollout_driver import build_window, rollout_request
 from diffrl.run_setup import run_context, worker_config
+from diffrl.tools.plan_rewards import reward_bytes
 from pipelines.base import parent_shape_name, published_shape
 
 GiB = 2**30
@@ -129,17 +138,33 @@ def plan_config(overrides: list[str], gpus: int):
         cfg.distributed.backend = "local"
     cfg = validate(cfg, hub_cache=False)  # nothing is loaded: the plan needs no cached weights
     try:
-        check_sizes(cfg)
+        _check_sizes(cfg)
         sequence_parallel.check_config(cfg.model, cfg.sampler, num_workers=gpus, backend="ray")  # family, heads, tokens
     except ValueError as exc:
         raise PlanError(f"{exc} (planning --gpus {gpus})") from None
     return cfg, shape
 
 
+def _check_sizes(cfg) -> None:
+    """``recipes.check_sizes`` of the N ranks planned, without its backend check: the plan runs them as one local worker
+    (``distributed.backend=local``), where the run would use Ray, which the planning machine need not have."""
+    import diffrl.recipes as recipes
+
+    saved = getattr(recipes, "check_backend", None)
+    if saved is not None:
+        recipes.check_backend = lambda dist: None
+    try:
+        check_sizes(cfg)
+    finally:
+        if saved is not None:
+            recipes.check_backend = saved
+
+
 @dataclass
 class Trace:
     """One rank's traced step: phases (peak/after bytes, FLOPs), static bytes by category, the FLOPs of the
-    step's rollout and update, the largest FSDP block's parameter bytes."""
+    step's rollout and update, the largest FSDP block's parameter bytes; the reward models' bytes on rank 0's GPU
+    and what could not be counted."""
 
     phases: dict
     categories: dict
@@ -148,13 +173,15 @@ class Trace:
     block_bytes: int
     images_per_rank: int
     trace_s: float
+    rewards: dict = dataclasses.field(default_factory=dict)
+    not_counted: list = dataclasses.field(default_factory=list)
 
 
 def _param_bytes(module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters()) if module is not None else 0
 
 
-def _categories(worker) -> dict:
+def _categories(worker, ema: bool = False) -> dict:
     engine = worker.engine
     adapter = engine.adapter
     denoiser = adapter.denoiser
@@ -179,6 +206,8 @@ def _categories(worker) -> dict:
                   "reference_copy": reference, "vae": _param_bytes(getattr(adapter, "vae", None)), "text_encoders": encoders}
     if masters:  # (absent otherwise: LoRA plans read as before)
         categories["master_weights"] = masters
+    if ema and engine.uses_lora and not any(".ema." in name for name, _ in denoiser.named_parameters()):
+        categories["ema_adapter"] = trainable  # eval.ema's adapter, made at the first optimizer step: a copy of the trained one
     return categories
 
 
@@ -241,8 +270,25 @@ def step_recipe(cfg, gpus: int, phase, memo=lambda adapter: contextlib.nullconte
         with phase("rollout_after_update"):
             traj = group.generate_sequences(request())  # noqa: F841 (held through the phase: its memory is the peak traced)
     blocks = adapter.fsdp_blocks()
-    return {"categories": _categories(worker), "block_bytes": max((_param_bytes(b) for b in blocks), default=0), "per_rank": per_rank,
+    return {"categories": _categories(worker, bool(cfg.eval.ema)), "block_bytes": max((_param_bytes(b) for b in blocks), default=0), "per_rank": per_rank,
             "trained_steps": trained, "trained_samples": take, "levels": max(levels.values(), default=1)}
+
+
+@contextlib.contextmanager
+def _quiet():
+    """Silence what building models on fake tensors prints on every plan: diffusers' "modules that should be kept in
+    float32: []" of a ``.to(dtype)``, transformers' notices and torch's FakeTensor / meta-device warnings."""
+    loggers = [logging.getLogger(name) for name in ("diffusers", "transformers", "torch._subclasses.fake_tensor")]
+    levels = [lg.level for lg in loggers]
+    try:
+        for lg in loggers:
+            lg.setLevel(logging.ERROR)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
 
 
 @contextlib.contextmanager
@@ -282,14 +328,17 @@ def _local_collectives():
 def trace_recipe(cfg, gpus: int, *, allocation_unit: int = tracing.ALLOCATION_UNIT) -> Trace:
     """Step one rank of the recipe on fake tensors (:func:`step_recipe` under :func:`diffrl.engine.trace.shape_trace`)."""
     start = time.perf_counter()
-    with _eager_loading(), _local_collectives(), tracing.shape_trace(allocation_unit=allocation_unit) as trace:
+    with _quiet(), _eager_loading(), _local_collectives(), tracing.shape_trace(allocation_unit=allocation_unit) as trace:
         sizes = step_recipe(cfg, gpus, trace.phase, lambda adapter: tracing.memoised_forward(adapter, trace))
     phases = trace.phases
+    rewards, uncounted = reward_bytes(cfg)
+    sizes["categories"]["reward_models"] = sum(rewards.values())
     # the traced update ran `trained_samples` trajectories on one trained step; a step runs per_rank on every trained step
     train_flops = phases["train"]["flops"] / sizes["trained_samples"] * sizes["per_rank"] * max(1, sizes["trained_steps"]) * sizes["levels"]
     return Trace(
         phases=dict(phases), categories=sizes["categories"], rollout_flops=phases["rollout"]["flops"], train_flops=train_flops,
         block_bytes=sizes["block_bytes"], images_per_rank=sizes["per_rank"], trace_s=time.perf_counter() - start,
+        rewards=rewards, not_counted=uncounted,
     )
 
 
@@ -324,7 +373,9 @@ def per_rank(tr: Trace, cfg, gpus: int) -> dict:
     resident = {k: c[k] * keep for k in (*static, "optimizer", "gradients")}
     resident["fsdp_gathered_blocks"] = 2 * tr.block_bytes if sharded else 0
     resident["vae"], resident["text_encoders"] = c["vae"], c["text_encoders"]
-    shift = sum(c[k] for k in static) * (keep - 1.0) + resident["fsdp_gathered_blocks"]
+    resident["ema_adapter"] = c.get("ema_adapter", 0)  # made at the first optimizer step (LoRA: replicated, not sharded)
+    resident["reward_models"] = c.get("reward_models", 0)  # built by the trainer's process beside rank 0's policy
+    shift = sum(c[k] for k in static) * (keep - 1.0) + resident["fsdp_gathered_blocks"] + resident["reward_models"]
     phases = {}
     for name, p in tr.phases.items():
         if name == "build":
@@ -333,7 +384,7 @@ def per_rank(tr: Trace, cfg, gpus: int) -> dict:
         if name == "train":
             moved += c["gradients"] * (keep - 1.0)
         if name == "rollout_after_update":
-            moved += c["optimizer"] * (keep - 1.0)
+            moved += c["optimizer"] * (keep - 1.0) + resident["ema_adapter"]
         phases[name] = max(0.0, p["peak_bytes"] + moved)
     peak_phase = max(phases, key=phases.get)
     return {"phases": phases, "peak_bytes": phases[peak_phase], "peak_phase": peak_phase, "resident": resident, "sharded": sharded}
@@ -375,34 +426,44 @@ def estimate(tr: Trace, cfg, shape: str, gpus: int, peak_flops: float, mfu: floa
             "rollout_s": rollout_s, "train_s": train_s, "step_s": step_s, "images_per_s": images / step_s, "images_per_step": images}
 
 
+NOT_COUNTED = (
+    "the reward models' activations while scoring",
+    "evaluations (eval.every: their rewards, judges and samples)",
+    "CUDA's context (about 0.5 GiB) and workspaces, and the caching allocator's fragmentation "
+    "(measured peaks ran 4-11 % above the plan: benchmarks/RESULTS.md)",
+)
 TRAIN_PHASES = ("train",)
 ROLLOUT_PHASES = ("rollout", "rollout_after_update")
 
 
-def candidates(cfg, gpus: int) -> list[tuple[str, list[str], int, tuple]]:
+def candidates(cfg, gpus: int, peak_phase: str = "rollout", text_encoders: bool = True) -> list[tuple[str, list[str], int, tuple]]:
     """Changes that lower the peak, cheapest first: ``(what, overrides, gpus, phases it lowers)`` (an empty
-    tuple: every phase)."""
+    tuple: every phase). Dropping the text encoders comes first (free once the prompts are cached), then the
+    micro-batches and checkpointing of the phase that peaks (``peak_phase``), then the other phase's, CFG as two
+    forwards, everything together, ``param_offload`` of the FSDP2 shards, and more GPUs (FSDP2, then with offload)."""
     out = []
     t, a, m = cfg.trainer, cfg.algorithm, cfg.model
     k = int(m.sequence_parallel)
     per_rank = t.prompts_per_step * t.group_size // (gpus // k)
+    options = dict(m.options or {})
+    if text_encoders and not options.get("drop_text_encoders", False):
+        out.append(("drop the text encoders after caching the prompts", ["+model.options.drop_text_encoders=true"], gpus, ()))
+    train, rollout = [], []
     micro = int(a.micro_batch_size or per_rank)
     for _ in range(3):  # halving up to three times (then ÷8)
         if micro > 1:
             micro //= 2
-            out.append((f"training micro-batch {micro}", [f"algorithm.micro_batch_size={micro}"], gpus, TRAIN_PHASES))
+            train.append((f"training micro-batch {micro}", [f"algorithm.micro_batch_size={micro}"], gpus, TRAIN_PHASES))
+    if not m.activation_checkpointing or int(m.checkpoint_every) > 1:
+        train.append(("activation checkpointing of every block", ["model.activation_checkpointing=true", "model.checkpoint_every=1"], gpus, TRAIN_PHASES))
     chunk = int(cfg.sampler.micro_batch_size or per_rank)
     for _ in range(3):
         if chunk > 1:
             chunk = max(1, chunk // (2 if chunk <= 64 else 4))
-            out.append((f"rollout micro-batch {chunk}", [f"sampler.micro_batch_size={chunk}"], gpus, ROLLOUT_PHASES))
-    if not m.activation_checkpointing or int(m.checkpoint_every) > 1:
-        out.append(("activation checkpointing of every block", ["model.activation_checkpointing=true", "model.checkpoint_every=1"], gpus, TRAIN_PHASES))
-    options = dict(m.options or {})
+            rollout.append((f"rollout micro-batch {chunk}", [f"sampler.micro_batch_size={chunk}"], gpus, ROLLOUT_PHASES))
+    out += (train + rollout) if peak_phase in TRAIN_PHASES else (rollout + train)
     if options.get("cfg_mode") == "batched":
         out.append(("CFG as two forwards (cfg_mode=split)", ["+model.options.cfg_mode=split"], gpus, ()))
-    if not options.get("drop_text_encoders", False):
-        out.append(("drop the text encoders after caching the prompts", ["+model.options.drop_text_encoders=true"], gpus, ()))
     if int(cfg.distributed.rollout_replicas):
         out.append(("rollouts on the actor ranks (no replicas)", ["distributed.rollout_replicas=0", "distributed.max_staleness=0"], gpus, ()))
     memory = [c for c in out if c[3]]  # every knob of this rank count at its smallest, together
@@ -411,12 +472,16 @@ def candidates(cfg, gpus: int) -> list[tuple[str, list[str], int, tuple]]:
         for c in memory:
             last[c[1][0].split("=")[0]] = c
         out.append(("together: " + ", ".join(c[0] for c in last.values()), [o for c in last.values() for o in c[1]], gpus, ()))
-    batch, n = t.prompts_per_step * t.group_size, gpus * 2
+    if gpus > 1 and m.fsdp and not m.param_offload:
+        out.append(("FSDP2 shards on the host (param_offload)", ["model.param_offload=true"], gpus, ()))
+    batch, n, more = t.prompts_per_step * t.group_size, gpus * 2, []
     while n <= 64:
         if batch % (n // k) == 0 and (a.mini_batch_size or batch) % (n // k) == 0:
             out.append((f"{n} GPUs (FSDP2)", ["model.fsdp=true"], n, ()))
+            if not m.param_offload:
+                more.append((f"{n} GPUs (FSDP2, shards on the host)", ["model.fsdp=true", "model.param_offload=true"], n, ()))
         n *= 2
-    return out
+    return out + more
 
 
 def plan(overrides: list[str], *, gpus: int = 1, gpu: str = "h100", gpu_memory_gb: float | None = None, mfu: float | None = None,
@@ -434,13 +499,14 @@ def plan(overrides: list[str], *, gpus: int = 1, gpu: str = "h100", gpu_memory_g
         "peak_gib": rank["peak_bytes"] / GiB, "peak_phase": rank["peak_phase"], "phases_gib": {k: v / GiB for k, v in rank["phases"].items()},
         "resident_gib": {k: v / GiB for k, v in rank["resident"].items()}, "fsdp_sharded": rank["sharded"],
         "fits": rank["peak_bytes"] / GiB <= budget_gb, "trace_seconds": tr.trace_s, **estimate(tr, cfg, shape, gpus, peak, mfu),
-        "not_counted": "reward models, evaluations, CUDA workspaces and allocator fragmentation",
+        "rewards_gib": {k: v / GiB for k, v in tr.rewards.items()},
+        "not_counted": [*tr.not_counted, *NOT_COUNTED],
     }
     if recommend and not result["fits"]:
         result["recommendation"] = None
         tried = []
         base = list(overrides)
-        for what, extra, n, lowers in candidates(cfg, gpus):
+        for what, extra, n, lowers in candidates(cfg, gpus, rank["peak_phase"], tr.categories["text_encoders"] > 0):
             state = _state_bytes(tr, cfg, n) / GiB
             if state > budget_gb:  # no re-plan: the sharded state alone does not fit
                 tried.append({"change": what, "gpus": n, "peak_gib": state, "note": "its weights and optimizer state alone exceed the budget"})
@@ -454,6 +520,8 @@ def plan(overrides: list[str], *, gpus: int = 1, gpu: str = "h100", gpu_memory_g
                 worst = max(untouched, key=untouched.get)
                 tried.append({"change": what, "gpus": n, "peak_gib": untouched[worst], "note": f"the {worst} phase, which it does not change, needs more"})
                 continue
+            if any(o in base for o in extra) and n == gpus:
+                continue  # already set
             try:
                 sub = plan([*base, *extra], gpus=n, gpu=gpu, gpu_memory_gb=budget_gb, mfu=mfu, peak_tflops=peak_tflops, recommend=False)
             except ValueError as exc:
@@ -486,7 +554,9 @@ def report(r: dict) -> str:
         f"  one RL step: {r['images_per_step']} images, rollout {_flops(r['rollout_flops'])} + update {_flops(r['train_flops'])} per GPU",
         f"  at MFU {r['rollout_mfu']:.2f} (rollout) / {r['train_mfu']:.2f} (update) [{r['mfu_source']}]: "
         f"{r['step_s']:.3g} s per step ({r['rollout_s']:.3g} + {r['train_s']:.3g}), {r['images_per_s']:.3g} images/s",
-        f"  not counted: {r['not_counted']}; traced in {r['trace_seconds']:.0f} s",
+        *(f"  reward model {k} on GPU {v:.2f} GiB (rank 0's, built by the trainer's process)" for k, v in r.get("rewards_gib", {}).items() if v),
+        *(f"  not counted: {line}" for line in r["not_counted"]),
+        f"  traced in {r['trace_seconds']:.0f} s",
     ]
     if "recommendation" in r:
         rec = r["recommendation"]
@@ -496,7 +566,28 @@ def report(r: dict) -> str:
                          f"{rec['step_s']:.3g} s per step")
         else:
             lines.append("  nothing tried fits: " + "; ".join(f"{t['change']} {t.get('peak_gib', float('nan')):.1f} GiB" for t in r.get("tried", [])))
+        lines.append(f"  next step: {next_step(r)}")
     return "\n".join(lines)
+
+
+def next_step(r: dict) -> str:
+    """The one thing to do next, as the exact command line: the recommended overrides added to the plan's, or, when
+    nothing tried fits, the change that came closest on a GPU with the memory it needs."""
+    base = " ".join(r["overrides"])
+    rec = r.get("recommendation")
+    if rec:
+        gpus = rec["gpus"]
+        return f"add {' '.join(rec['overrides'])}" + ("" if gpus == r["gpus"] else f" and run on {gpus} GPUs") + \
+            f": diffrl plan {base} {' '.join(rec['overrides'])} --gpus {gpus} --gpu {r['gpu']}".rstrip()
+    tried = [t for t in r.get("tried", []) if "peak_gib" in t]
+    if not tried:
+        return "nothing could be tried: lower trainer.prompts_per_step or sampler.height/width"
+    best = min(tried, key=lambda t: t["peak_gib"])
+    extra = " ".join(best.get("overrides", []))
+    bigger = sorted((mem, name) for name, (mem, _) in GPUS.items() if mem >= best["peak_gib"])
+    where = f"--gpu {bigger[0][1]}" if bigger else f"--gpus {2 * best['gpus']}"
+    return (f"closest: {best['change']} at {best['peak_gib']:.1f} GiB per GPU; try diffrl plan {base} {extra} --gpus {best['gpus']} {where}"
+            if extra else f"closest: {best['change']} at {best['peak_gib']:.1f} GiB per GPU; try a GPU with more memory ({where})")
 
 
 def gpu_kind(device_name: str) -> str:
@@ -557,4 +648,4 @@ def run_plan(args) -> int:
 
 
 __all__ = ["GPUS", "gpu_kind", "preflight", "MEASURED_MFU", "PlanError", "Trace", "add_parser", "estimate", "gpu_spec", "mfu_for", "per_rank", "plan", "plan_config", "report",
-           "shape_of", "trace_recipe"]
+           "shape_of", "trace_recipe", "next_step", "candidates"]

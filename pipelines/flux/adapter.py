@@ -32,7 +32,7 @@ from pipelines.base import register_family, torch_dtype
 from pipelines.flops import flux_forward_flops
 from pipelines.latent import LatentFlowFamily, check_folder, load_common, load_tokenizer, own_memory, pack_latents, unpack_latents
 from pipelines.schedules import calculate_shift, shifted_sigmas
-from pipelines.shapes import SD3_FLUX_VAE, Shape, building, clip_config, family_components, plain, register_shape, t5_config
+from pipelines.shapes import SD3_FLUX_VAE, Shape, building, family_components, plain, register_shape, text_config
 from pipelines.tiny import TINY_CLIP, TINY_T5, build_tiny_t5, build_tiny_t5_tokenizer, build_tiny_tokenizer, build_tiny_vae
 
 # the family's published shapes (``model.options.shape``; pipelines.shapes)
@@ -84,8 +84,8 @@ def build_tiny_flux_components(seed: int = 0) -> dict:
 
 def build_flux_components(seed: int, shape: Shape, device: str, dtype: str) -> dict:
     """FLUX components at a published shape (:mod:`pipelines.shapes`), random, built on ``device`` in ``dtype``: the
-    transformer and the VAE at their published configs, 2-layer CLIP-L (pooled 768) and T5 (4096, padded to
-    ``max_sequence_length`` tokens)."""
+    transformer, the VAE, CLIP-L (pooled 768) and the T5-XXL encoder (4096, padded to ``max_sequence_length`` tokens) at
+    their published configs (2-layer stand-ins of their widths with ``shape.stand_in_text``)."""
     from diffusers import AutoencoderKL, FluxTransformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
@@ -93,8 +93,8 @@ def build_flux_components(seed: int, shape: Shape, device: str, dtype: str) -> d
     with building(device, dtype, seed):
         transformer = FluxTransformer2DModel(**shape.transformer)
         vae = AutoencoderKL(**plain(shape.vae), **FLUX_VAE_NORM)
-        clip = CLIPTextModel(CLIPTextConfig(**clip_config(TINY_CLIP, shape.text_widths["clip_l"])))
-        t5 = T5EncoderModel(T5Config(vocab_size=len(t5_tok), **t5_config(TINY_T5, shape.text_widths["t5"])))
+        clip = CLIPTextModel(CLIPTextConfig(**text_config(shape, "clip_l", TINY_CLIP)))
+        t5 = T5EncoderModel(T5Config(**text_config(shape, "t5", TINY_T5, len(t5_tok))))
     return {
         "transformer": transformer, "vae": vae, "text_encoder": clip, "text_encoder_2": t5,
         "tokenizer": build_tiny_tokenizer(77), "tokenizer_2": t5_tok, "scheduler": dict(FLUX_SCHEDULER_CONFIG),

@@ -48,7 +48,7 @@ from pipelines.base import check_cfg_mode, register_family, torch_dtype
 from pipelines.flops import qwen_image_forward_flops
 from pipelines.latent import LatentFlowFamily, check_folder, load_common, own_memory, pack_latents, unpack_latents
 from pipelines.schedules import calculate_shift
-from pipelines.shapes import Shape, building, family_components, plain, register_shape
+from pipelines.shapes import QWEN2_5_VL_7B, Shape, building, family_components, plain, register_shape
 
 # the family's published shapes (``model.options.shape``; pipelines.shapes)
 register_shape(Shape(
@@ -128,20 +128,30 @@ def build_tiny_qwen_tokenizer():
     )
 
 
-def qwen_text_config(vocab_size: int, width: int | None = None):
-    """The tiny ``Qwen2_5_VLConfig`` (2 text layers of width 32, a 1-layer vision tower); ``width`` widens the text
-    model to that hidden size (heads of 128, 4 key/value heads, M-RoPE sections 16/24/24 as Qwen2.5-VL-7B's)."""
+def qwen_text_config(vocab_size: int, shape: Shape | None = None):
+    """The ``Qwen2_5_VLConfig`` over a tokenizer of ``vocab_size`` ids, whose next four ids are the vision tokens: the
+    tiny one (2 text layers of width 32, a 1-layer vision tower) with no ``shape``; at a published ``shape``
+    Qwen2.5-VL-7B's (:data:`pipelines.shapes.QWEN2_5_VL_7B`: 28 layers of 3584, the 32-block vision tower, an untied
+    lm_head), or with ``shape.stand_in_text`` 2 text layers of the real width (heads of 128, 4 key/value heads, M-RoPE
+    sections 16/24/24 as Qwen2.5-VL-7B's) over the tiny vision tower."""
     from transformers import Qwen2_5_VLConfig
 
     v = max(vocab_size, 64)
-    text, vision = dict(TINY_QWEN_TEXT), dict(TINY_QWEN_VISION)
-    if width is not None:
+    text, vision, vocab, tied = dict(TINY_QWEN_TEXT), dict(TINY_QWEN_VISION), v + 4, {}
+    if shape is not None and shape.stand_in_text:
+        width = shape.text_widths["qwen2_5_vl"]
         text.update(hidden_size=width, num_attention_heads=width // 128, num_key_value_heads=4, intermediate_size=1024,
                     rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]})
         vision.update(out_hidden_size=width)
+    elif shape is not None:
+        text, vision = dict(QWEN2_5_VL_7B["text"]), dict(QWEN2_5_VL_7B["vision"])
+        vocab = text.pop("vocab_size")
+        tied = {"tie_word_embeddings": text["tie_word_embeddings"]}
+        if v + 4 > vocab:
+            raise ValueError(f"a tokenizer of {v + 4} ids does not fit Qwen2.5-VL-7B's vocabulary of {vocab}")
     return Qwen2_5_VLConfig(
-        text_config=dict(vocab_size=v + 4, pad_token_id=0, eos_token_id=2, **text), vision_config=vision,
-        image_token_id=v, video_token_id=v + 1, vision_start_token_id=v + 2, vision_end_token_id=v + 3,
+        text_config=dict(vocab_size=vocab, pad_token_id=0, eos_token_id=2, **text), vision_config=vision,
+        image_token_id=v, video_token_id=v + 1, vision_start_token_id=v + 2, vision_end_token_id=v + 3, **tied,
     )
 
 
@@ -173,7 +183,7 @@ def build_tiny_qwen_image_components(seed: int = 0) -> dict:
 
 def build_qwen_image_components(seed: int, shape: Shape, device: str, dtype: str) -> dict:
     """Qwen-Image components at a published shape (:mod:`pipelines.shapes`), random, built on ``device`` in ``dtype``:
-    the transformer and the VAE at their published configs and a 2-layer Qwen2.5-VL of the real width (3584)."""
+    the transformer, the VAE and Qwen2.5-VL-7B at their published configs (:func:`qwen_text_config`)."""
     from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
     from transformers import Qwen2_5_VLForConditionalGeneration
 
@@ -181,7 +191,7 @@ def build_qwen_image_components(seed: int, shape: Shape, device: str, dtype: str
     with building(device, dtype, seed):
         transformer = QwenImageTransformer2DModel(**shape.transformer)
         vae = AutoencoderKLQwenImage(**plain(shape.vae))
-        text_encoder = Qwen2_5_VLForConditionalGeneration(qwen_text_config(len(tokenizer), shape.text_widths["qwen2_5_vl"])).eval()
+        text_encoder = Qwen2_5_VLForConditionalGeneration(qwen_text_config(len(tokenizer), shape)).eval()
     return {"transformer": transformer, "vae": vae, "text_encoder": text_encoder, "tokenizer": tokenizer, "scheduler": dict(QWEN_IMAGE_SCHEDULER_CONFIG)}
 
 

@@ -87,14 +87,13 @@ def build_tiny_qwen_edit_processor():
 
 def build_edit_text_side(seed: int, shape: Shape | None, device: str, dtype: str) -> dict:
     """The random editing text side: the tiny editing tokenizer and processor (:func:`build_tiny_qwen_edit_processor`)
-    and a Qwen2.5-VL over their vocabulary (vision tower included): the tiny one, or at a published ``shape`` 2 layers
-    of the real width (3584, :mod:`pipelines.shapes`), built on ``device`` in ``dtype``."""
+    and a Qwen2.5-VL over their vocabulary (vision tower included): the tiny one, or at a published ``shape``
+    Qwen2.5-VL-7B (:func:`~pipelines.qwen_image.adapter.qwen_text_config`), built on ``device`` in ``dtype``."""
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     tokenizer, processor, vocab_size = build_tiny_qwen_edit_processor()
-    width = None if shape is None else shape.text_widths["qwen2_5_vl"]
     with building(device, dtype, seed):
-        text_encoder = Qwen2_5_VLForConditionalGeneration(qwen_text_config(vocab_size, width)).eval().requires_grad_(False)
+        text_encoder = Qwen2_5_VLForConditionalGeneration(qwen_text_config(vocab_size, shape)).eval().requires_grad_(False)
     return {"tokenizer": tokenizer, "processor": processor, "text_encoder": text_encoder}
 
 

@@ -32,7 +32,7 @@ from pipelines.base import check_cfg_mode, register_family, torch_dtype
 from pipelines.flops import mmdit_forward_flops
 from pipelines.latent import LatentFlowFamily, check_folder, load_common, load_tokenizer, own_memory
 from pipelines.schedules import flow_match_sigmas
-from pipelines.shapes import SD3_FLUX_VAE, Shape, building, clip_config, family_components, plain, register_shape, t5_config
+from pipelines.shapes import SD3_FLUX_VAE, Shape, building, family_components, plain, register_shape, text_config
 from pipelines.tiny import TINY_CLIP, TINY_T5, build_tiny_t5, build_tiny_t5_tokenizer, build_tiny_tokenizer, build_tiny_vae
 
 # the family's published shapes (``model.options.shape``; pipelines.shapes)
@@ -84,8 +84,8 @@ def build_tiny_sd3_components(seed: int = 0) -> dict:
 
 def build_sd3_components(seed: int, shape: Shape, device: str, dtype: str) -> dict:
     """SD3 components at a published shape (:mod:`pipelines.shapes`), random, built on ``device`` in ``dtype``: the
-    transformer and the VAE at their published configs, 2-layer CLIP-L/CLIP-G/T5 of the real widths (768, 1280, 4096)
-    and token counts (77 CLIP, ``max_sequence_length`` T5)."""
+    transformer, the VAE and CLIP-L, CLIP-G and the T5-XXL encoder at their published configs (2-layer stand-ins of
+    their widths with ``shape.stand_in_text``), tokens as the pipeline's (77 CLIP, ``max_sequence_length`` T5)."""
     from diffusers import AutoencoderKL, SD3Transformer2DModel
     from transformers import (
         CLIPTextConfig,
@@ -95,13 +95,12 @@ def build_sd3_components(seed: int, shape: Shape, device: str, dtype: str) -> di
     )
 
     t5_tok = build_tiny_t5_tokenizer(max_length=shape.max_sequence_length)
-    widths = shape.text_widths
     with building(device, dtype, seed):
         transformer = SD3Transformer2DModel(**shape.transformer)
         vae = AutoencoderKL(**plain(shape.vae), **SD3_VAE_NORM)
-        clip_l = CLIPTextModelWithProjection(CLIPTextConfig(**clip_config(TINY_CLIP, widths["clip_l"])))
-        clip_g = CLIPTextModelWithProjection(CLIPTextConfig(**clip_config(TINY_CLIP, widths["clip_g"])))
-        t5 = T5EncoderModel(T5Config(vocab_size=len(t5_tok), **t5_config(TINY_T5, widths["t5"])))
+        clip_l = CLIPTextModelWithProjection(CLIPTextConfig(**text_config(shape, "clip_l", TINY_CLIP)))
+        clip_g = CLIPTextModelWithProjection(CLIPTextConfig(**text_config(shape, "clip_g", TINY_CLIP)))
+        t5 = T5EncoderModel(T5Config(**text_config(shape, "t5", TINY_T5, len(t5_tok))))
     return {
         "transformer": transformer, "vae": vae, "text_encoder": clip_l, "text_encoder_2": clip_g, "text_encoder_3": t5,
         "tokenizer": build_tiny_tokenizer(77), "tokenizer_2": build_tiny_tokenizer(77), "tokenizer_3": t5_tok,

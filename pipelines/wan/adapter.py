@@ -44,7 +44,7 @@ from pipelines.base import check_cfg_mode, register_family, torch_dtype
 from pipelines.flops import wan_forward_flops
 from pipelines.latent import LatentFlowFamily, check_folder, load_common, load_tokenizer, own_memory
 from pipelines.schedules import flow_match_sigmas
-from pipelines.shapes import Shape, building, family_components, plain, register_shape, resolve_shape, t5_config
+from pipelines.shapes import Shape, building, family_components, plain, register_shape, resolve_shape, text_config
 from pipelines.tiny import build_tiny_t5_tokenizer
 
 # the family's published shapes (``model.options.shape``; pipelines.shapes): Wan2.1's 14B and 1.3B differ in width and depth
@@ -116,8 +116,8 @@ def build_tiny_wan_components(seed: int = 0) -> dict:
 
 def build_wan_components(seed: int, shape: Shape, device: str, dtype: str) -> dict:
     """Wan components at a published shape (:mod:`pipelines.shapes`), random, built on ``device`` in ``dtype``: the
-    transformer and the causal 3-D VAE at their published configs and a 2-layer UMT5 of the real width (4096),
-    padded to ``max_sequence_length`` tokens."""
+    transformer, the causal 3-D VAE and the UMT5-XXL encoder at their published configs (a 2-layer stand-in of its width,
+    4096, with ``shape.stand_in_text``), padded to ``max_sequence_length`` tokens."""
     from diffusers import AutoencoderKLWan, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
 
@@ -125,7 +125,7 @@ def build_wan_components(seed: int, shape: Shape, device: str, dtype: str) -> di
     with building(device, dtype, seed):
         transformer = WanTransformer3DModel(**shape.transformer)
         vae = AutoencoderKLWan(**plain(shape.vae))
-        text_encoder = UMT5EncoderModel(UMT5Config(vocab_size=len(tokenizer), **t5_config(TINY_UMT5, shape.text_widths["umt5"])))
+        text_encoder = UMT5EncoderModel(UMT5Config(**text_config(shape, "umt5", TINY_UMT5, len(tokenizer))))
     return {"transformer": transformer, "vae": vae, "text_encoder": text_encoder, "tokenizer": tokenizer, "scheduler": dict(WAN_SCHEDULER_CONFIG)}
 
 
