@@ -266,9 +266,11 @@ class AlgorithmConfig(OptimConfig):
     }
 
     name: str = "flow_grpo"
-    """algorithm name (documentation and run naming)"""
+    """the algorithm group's name, set from ``algorithm=<group>`` (diffrl.recipes; another value is refused): not a switch"""
     trainer: str = "policy_gradient"
-    """the algorithm class (registry in diffrl.algorithms): policy_gradient | preference (Diffusion-DPO) | nft (DiffusionNFT) | awm"""
+    """the algorithm class its group's schema selects (never set by hand; registry diffrl.algorithms.ALGORITHMS):
+    policy_gradient (groups flow_grpo, flow_grpo_fast, mixgrpo, grpo_guard, dance_grpo, ddpo) | preference (dpo) | nft | awm |
+    dgpo | flow_dppo | gardo"""
     kl_beta: float = 0.0
     """weight β of the KL to the reference (LoRA disabled)"""
     adv_std_mode: str = "global"
@@ -343,7 +345,12 @@ class TrainerConfig:
     """seed of prompts, noise and initialisation"""
     prompts: Optional[str] = None
     """training prompts: a built-in prompt set (geneval | ocr | general: its train split, with each prompt's metadata for
-    the rewards; docs/prompts.md), a prompt file (one per line) or editing records; null: the model family's built-in prompts"""
+    the rewards; docs/prompts.md), a prompt file (one per line), a JSONL of records (GenEval rows {prompt, tag, include, …},
+    {prompt, metadata}, or editing records {source, instruction, metadata}); null: the model family's built-in prompts;
+    ${prompts_required:'<what>'} in a recipe: it needs the user's records (refused without them, naming what)"""
+    prompts_if_missing: Optional[str] = None
+    """the prompts a recipe that requires trainer.prompts (${prompts_required:…}) takes when none is given: +shrink=tiny sets tiny stand-in
+    records so such a recipe runs shrunk; null: a recipe without its prompts is refused before anything is built"""
     plan_check: bool = True
     """on a GPU run, plan the recipe first (diffrl plan, on the CPU, before anything is allocated) and warn when its peak
     exceeds the device's memory; false: skip the check"""
@@ -353,6 +360,9 @@ class TrainerConfig:
     """run folder; null: outputs/<experiment>-<timestamp>"""
     progress: bool = True
     """show a progress bar"""
+    no_spread_warning: int = 10
+    """warn (one line, once) when no prompt group's rewards have differed for this many steps in a row: every advantage is
+    0, so loss and grad norm are 0 and nothing learns; 0: never warn"""
     threads: Optional[int] = None
     """torch CPU threads (null: torch's default)"""
     peak_flops: Optional[float] = None

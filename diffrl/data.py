@@ -19,6 +19,9 @@ from diffrl.sampling.seeding import Stream, generator
 from pipelines.base import EditPrompt, family_class, resize_sources, split_prompts
 
 EDIT_RECORD_KEYS = ("source", "instruction")
+SOURCE_KEYS = ("source", "file_name", "image")  # an editing record's source image (diffrl, Hugging Face image folder, flow_grpo)
+TEXT_KEYS = ("instruction", "prompt")
+ROW_KEYS = (*SOURCE_KEYS, *TEXT_KEYS, "metadata")
 
 
 def read_prompt_file(path: str | Path) -> list[str]:
@@ -33,13 +36,117 @@ def read_prompt_file(path: str | Path) -> list[str]:
     return prompts
 
 
-def read_prompts(path: str | Path) -> list[str] | list[EditPrompt]:
-    """``trainer.prompts``: a text file (one prompt per line, :func:`read_prompt_file`) or the editing records
-    of a JSONL file or a folder (:func:`read_edit_records`)."""
-    path = Path(path)
+def _records_file(path: Path) -> Path:
+    return path / "metadata.jsonl" if path.is_dir() else path
+
+
+def read_rows(path: str | Path) -> list[tuple[int, dict]]:
+    """``(line number, row)`` of a JSONL file (or a folder's ``metadata.jsonl``); a line that is not a JSON object is a
+    one-line error naming it."""
+    file = _records_file(Path(path))
+    if not file.is_file():
+        raise FileNotFoundError(f"prompt records {file} do not exist (trainer.prompts: a JSONL file of {{prompt, metadata}} or "
+                                f"{{source, instruction}} rows, or a folder with metadata.jsonl; built-in sets: {', '.join(prompt_set_names())})")
+    rows = []
+    for i, line in enumerate(file.read_text().splitlines()):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{file}: line {i + 1} is not JSON ({exc.msg})") from exc
+        if not isinstance(row, dict):
+            raise ValueError(f"{file}: line {i + 1} is not a JSON object")
+        rows.append((i + 1, row))
+    return rows
+
+
+def is_edit_row(row: dict) -> bool:
+    """An editing record names a source image (``source``, ``file_name`` or flow_grpo's ``image``)."""
+    return any(key in row for key in SOURCE_KEYS)
+
+
+def row_metadata(row: dict) -> dict | None:
+    """A record's metadata: its ``metadata`` object, else every field besides the text and the source (a GenEval row's
+    ``tag``, ``include``, ``exclude`` …, as flow_grpo's files hold them); None when there is none."""
+    if "metadata" in row:
+        return row["metadata"]
+    rest = {k: v for k, v in row.items() if k not in ROW_KEYS}
+    return rest or None
+
+
+def _is_records(path: Path) -> bool:
+    """A folder, a ``.jsonl`` file, or a file whose first non-blank line is a JSON object: records, not prompt lines."""
     if path.is_dir() or path.suffix == ".jsonl":
+        return True
+    if not path.is_file():
+        return False
+    with path.open() as f:
+        first = next((line.strip() for line in f if line.strip()), "")
+    return first.startswith("{")
+
+
+def read_text_records(path: str | Path) -> list[str]:
+    """Text-to-image prompts of a JSONL file whose rows hold ``prompt`` (a GenEval row ``{"prompt", "tag", "include", …}``
+    or ``{"prompt", "metadata"}``); their metadata: :func:`read_metadata`."""
+    file, prompts = _records_file(Path(path)), []
+    for line, row in read_rows(path):
+        if is_edit_row(row):
+            raise ValueError(f"{file}: line {line} names a source image but earlier rows do not; give text prompts or editing records, not both")
+        text = row.get("prompt", row.get("instruction"))
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError(f"{file}: line {line} lacks prompt; every row of a prompt file needs a 'prompt' text (GenEval rows: prompt, tag, include)")
+        prompts.append(text.strip())
+    if not prompts:
+        raise ValueError(f"{file} holds no prompts")
+    return prompts
+
+
+def read_prompts(path: str | Path) -> list[str] | list[EditPrompt]:
+    """``trainer.prompts``: a text file (one prompt per line, :func:`read_prompt_file`), or records: a JSONL file (or a
+    folder with ``metadata.jsonl``) whose rows are editing records when they name a source image
+    (:func:`read_edit_records`), else text prompts with metadata (:func:`read_text_records`). Rows are recognised by
+    their fields, not by the file's extension."""
+    path = Path(path)
+    if not _is_records(path):
+        return read_prompt_file(path)
+    rows = read_rows(path)
+    if path.is_dir() or (rows and is_edit_row(rows[0][1])):
         return read_edit_records(path)
-    return read_prompt_file(path)
+    return read_text_records(path)
+
+
+def read_metadata(path: str | Path) -> dict[str, dict]:
+    """``{prompt or instruction: metadata}`` of a records file's rows that carry metadata (:func:`row_metadata`: a
+    ``metadata`` object, or a GenEval row's own fields), e.g. the GenEval row the image should satisfy; the rewards
+    receive it per sample. Two rows with one text must not carry different metadata. Empty for a text file."""
+    path = Path(path)
+    if not _is_records(path):
+        return {}
+    file, table = _records_file(path), {}
+    for line, row in read_rows(path):
+        meta, text = row_metadata(row), str(row.get("instruction", row.get("prompt")))
+        if meta is None:
+            continue
+        if not isinstance(meta, dict):
+            raise ValueError(f"{file}: line {line} has a metadata field that is not a JSON object")
+        if table.get(text, meta) != meta:
+            raise ValueError(f"{file}: line {line} repeats the prompt {text!r} with other metadata; rewards look metadata up by prompt")
+        table[text] = meta
+    return table
+
+
+def prompt_texts(spec: str) -> tuple[list[str], dict[str, dict]]:
+    """The texts (prompts, or editing instructions) and metadata of ``trainer.prompts`` without reading any image: for
+    checks before anything is built (a reward that needs each prompt's metadata)."""
+    if is_prompt_set(str(spec)):
+        prompts, rows = load_prompt_set(str(spec), "train")
+        return prompts, (dict(zip(prompts, rows)) if rows is not None else {})
+    path = Path(spec)
+    if not _is_records(path):
+        return read_prompt_file(path), {}
+    texts = [str(row.get("instruction", row.get("prompt"))) for _, row in read_rows(path)]
+    return texts, read_metadata(path)
 
 
 def load_prompts(spec: str, split: str) -> tuple[list, dict[str, dict]]:
@@ -53,8 +160,7 @@ def load_prompts(spec: str, split: str) -> tuple[list, dict[str, dict]]:
     if is_prompt_set(str(spec)):
         prompts, rows = load_prompt_set(str(spec), split)
         return prompts, (dict(zip(prompts, rows)) if rows is not None else {})
-    prompts = read_prompts(spec)
-    return prompts, (read_edit_metadata(spec) if prompts and isinstance(prompts[0], EditPrompt) else {})
+    return read_prompts(spec), read_metadata(spec)
 
 
 def run_prompts(cfg) -> tuple[list | None, list | None, dict[str, dict]]:
@@ -90,58 +196,29 @@ def sample_metadata(prompts: list[str], table: dict[str, dict], **shared) -> lis
 
 
 def read_edit_records(path: str | Path) -> list[EditPrompt]:
-    """Editing prompts: a JSONL file whose rows hold ``source`` (an image path, relative to the file) and
-    ``instruction`` (``prompt`` is accepted for it), or a folder holding such a ``metadata.jsonl`` (the
-    Hugging Face image-folder layout; ``file_name`` is accepted for ``source``).
+    """Editing prompts: a JSONL file whose rows hold ``source`` (an image path, relative to the file; ``file_name`` and
+    flow_grpo's ``image`` are accepted for it) and ``instruction`` (``prompt`` is accepted for it), or a folder holding
+    such a ``metadata.jsonl`` (the Hugging Face image-folder layout).
 
     Every image is checked before anything is trained: a missing file or key is a one-line error naming the
     row. Sources are read as RGB uint8; the trainer resizes them to the sampler's size.
     """
-    path = Path(path)
-    file = path / "metadata.jsonl" if path.is_dir() else path
+    file = _records_file(Path(path))
     if not file.is_file():
         raise FileNotFoundError(f"editing prompts {file} do not exist (trainer.prompts: a JSONL file of {{source, instruction}} rows, or a folder with metadata.jsonl)")
     records = []
-    for i, line in enumerate(file.read_text().splitlines()):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{file}: line {i + 1} is not JSON ({exc.msg})") from exc
-        source = row.get("source", row.get("file_name"))
+    for line, row in read_rows(file):
+        source = next((row[k] for k in SOURCE_KEYS if k in row), None)
         instruction = row.get("instruction", row.get("prompt"))
         if source is None or instruction is None:
-            raise ValueError(f"{file}: line {i + 1} lacks {'source' if source is None else 'instruction'}; every row needs {list(EDIT_RECORD_KEYS)}")
+            raise ValueError(f"{file}: line {line} lacks {'source' if source is None else 'instruction'}; every row needs {list(EDIT_RECORD_KEYS)}")
         image = (file.parent / source) if not Path(source).is_absolute() else Path(source)
         if not image.is_file():
-            raise FileNotFoundError(f"{file}: line {i + 1} names source image {image}, which does not exist")
+            raise FileNotFoundError(f"{file}: line {line} names source image {image}, which does not exist")
         records.append(EditPrompt(str(instruction), (_image(image) * 255.0).round().to(torch.uint8), name=str(source)))
     if not records:
         raise ValueError(f"{file} holds no editing records")
     return records
-
-
-def read_edit_metadata(path: str | Path) -> dict[str, dict]:
-    """``{instruction: metadata}`` of the editing records (:func:`read_edit_records`' file) whose rows carry a
-    ``metadata`` object, e.g. the GenEval row (``tag``, ``include``, ``exclude``) the edited image should satisfy;
-    the rewards receive it per sample. Two rows with one instruction must not carry different metadata."""
-    path = Path(path)
-    file = path / "metadata.jsonl" if path.is_dir() else path
-    table: dict[str, dict] = {}
-    for i, line in enumerate(file.read_text().splitlines()):
-        if not line.strip():
-            continue
-        row = json.loads(line)
-        meta, instruction = row.get("metadata"), str(row.get("instruction", row.get("prompt")))
-        if meta is None:
-            continue
-        if not isinstance(meta, dict):
-            raise ValueError(f"{file}: line {i + 1} has a metadata field that is not a JSON object")
-        if table.get(instruction, meta) != meta:
-            raise ValueError(f"{file}: line {i + 1} repeats the instruction {instruction!r} with other metadata; rewards look metadata up by instruction")
-        table[instruction] = meta
-    return table
 
 
 def check_edit_prompts(prompts: list, family: str, sampler) -> list:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import math
 import re
 from dataclasses import dataclass, field
@@ -20,18 +21,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from diffrl.algorithms import ALGORITHMS, algorithm_class, check_config, group_class
 from diffrl.algorithms.policy_gradient import PolicyGradientConfig
 from diffrl.config import MOVED_KEYS, Check, DistributedConfig, EvalConfig, ModelConfig, RewardConfig, SamplerConfig, TrainerConfig, eval_metric_names
+from diffrl.data import prompt_texts
 from diffrl.engine.lora import check_lora_experts
-from diffrl.hub import HubError, is_hub_ref, offline, resolve_weights
+from diffrl.hub import HubError, cache_dir, is_hub_ref, offline, resolve_weights
 from diffrl.selection import metric_key
 from diffrl.sampling.schedules import WINDOW_KINDS
 from diffrl.sampling.sde import ODE_SOLVERS, STEP_KINDS
 from pipelines.base import check_adapter_options, family_class, resolve_model_path
-from rewards.base import RewardError, resolve_reward
+from rewards.base import RewardError, missing_extra, resolve_reward
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 
@@ -78,6 +80,10 @@ def _per_optimizer_step(steps: int, *, _root_) -> int:
     """``${optimizer_steps:k}``: the mini-batch that splits one RL step's trajectories (``trainer.prompts_per_step ×
     trainer.group_size``) into ``k`` optimizer steps, so a recipe states the paper's optimizer steps per RL step and keeps
     them when its sizes are changed (``+shrink=tiny``, or more prompts per step)."""
+    for key in ("prompts_per_step", "group_size"):
+        if int(_root_.trainer[key]) < 1:
+            raise ValueError(f"trainer.{key}={_root_.trainer[key]} is invalid: it must be ≥ 1 (algorithm.mini_batch_size=${{optimizer_steps:{steps}}} "
+                             "is derived from it)")
     batch = int(_root_.trainer.prompts_per_step) * int(_root_.trainer.group_size)
     if int(steps) < 1 or batch % int(steps):
         raise ValueError(f"algorithm.mini_batch_size=${{optimizer_steps:{steps}}}: {batch} trajectories per step "
@@ -85,6 +91,19 @@ def _per_optimizer_step(steps: int, *, _root_) -> int:
     return batch // int(steps)
 
 
+def _prompts_required(what: str, *, _root_) -> str:
+    """``trainer.prompts: ${prompts_required:'<what the recipe needs>'}``: a recipe that trains on the user's records (no
+    built-in set stands in for them) is refused at composition, before anything is built, with one line saying what to
+    give; ``trainer.prompts_if_missing`` (``+shrink=tiny``'s tiny records) is taken instead when set."""
+    fallback = _root_.trainer.get("prompts_if_missing")
+    if fallback:
+        return str(fallback)
+    raise ValueError(f"experiment={_root_.experiment} needs trainer.prompts=<{what}> (flow_grpo's datasets: diffrl prompts convert --help); "
+                     "+shrink=tiny brings tiny stand-in records")
+
+
+if not OmegaConf.has_resolver("prompts_required"):
+    OmegaConf.register_new_resolver("prompts_required", _prompts_required)
 if not OmegaConf.has_resolver("asset"):
     OmegaConf.register_new_resolver("asset", _asset_path)
 if not OmegaConf.has_resolver("optimizer_steps"):
@@ -241,6 +260,17 @@ def _explain(exc: Exception, overrides: list[str] | None = None) -> str:
     return " ".join((f"invalid configuration: {text}" + (f" ({cause})" if cause else "")).split())
 
 
+def _name_from_group(cfg: DictConfig, group: str) -> None:
+    """``algorithm.name`` is the algorithm group's name (``algorithm=<group>`` chooses the algorithm): a value naming
+    another group, or any other word, is refused in one line rather than kept as a label over another algorithm."""
+    name = cfg.algorithm.get("name")
+    if name not in (None, group):
+        other = f"it names another algorithm: select it with algorithm={name}" if name in _groups() else "it is not a setting"
+        raise ConfigError(f"algorithm.name={name} does not match the algorithm group algorithm={group}; algorithm.name follows the group, "
+                          f"{other} (run names: trainer.output_dir, trainer.wandb_run_name)")
+    cfg.algorithm.name = group
+
+
 def compose(overrides: list[str] | None = None, config_name: str = "config") -> DictConfig:
     """Compose ``configs/<config_name>.yaml`` with command-line ``overrides`` (hydra syntax).
 
@@ -257,11 +287,16 @@ def compose(overrides: list[str] | None = None, config_name: str = "config") -> 
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-            cfg = hydra_compose(config_name=config_name, overrides=list(overrides or []))
+            cfg = hydra_compose(config_name=config_name, overrides=list(overrides or []), return_hydra_config=True)
+        group = cfg.hydra.runtime.choices.get("algorithm")
+        with open_dict(cfg):
+            del cfg["hydra"]
         try:
             name = group_class(cfg.algorithm, _groups())
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+        if group is not None:
+            _name_from_group(cfg, str(group))
         cfg_typed = OmegaConf.merge(schema(name), OmegaConf.to_container(cfg, resolve=False))
         OmegaConf.resolve(cfg_typed)
     except (HydraException, OmegaConfBaseException) as exc:
@@ -307,6 +342,19 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def check_backend(dist: DistributedConfig) -> None:
+    """The backend can run the workers asked for, before any size is checked: ``local`` runs one worker in this
+    process; ``ray`` needs Ray installed (one line naming the ``pip install`` when it is not)."""
+    W, R = int(dist.num_workers), int(dist.rollout_replicas)
+    if dist.backend == "local" and W > 1:
+        raise ValueError(f"distributed.backend=local runs one worker in this process; for distributed.num_workers={W} set distributed.backend=ray "
+                         "(pip install -e '.[ray]'), or distributed.num_workers=1")
+    if dist.backend == "ray" or R:
+        if importlib.util.find_spec("ray") is None:
+            raise ValueError(f"{'distributed.backend=ray' if dist.backend == 'ray' else f'distributed.rollout_replicas={R}'} needs Ray, which is not "
+                             "installed: pip install -e '.[ray]'")
+
+
 def check_sizes(cfg: Config | DictConfig) -> None:
     """Global sizes against workers and mini-batches, before any work: a clear error with valid sizes."""
     t, dist, a = cfg.trainer, cfg.distributed, cfg.algorithm
@@ -315,6 +363,7 @@ def check_sizes(cfg: Config | DictConfig) -> None:
     W = int(dist.num_workers)
     if W < 1:
         raise ValueError(f"distributed.num_workers must be ≥ 1, got {W}")
+    check_backend(dist)
     batch = t.prompts_per_step * t.group_size
     mini = a.mini_batch_size or batch
     if batch % mini:
@@ -402,7 +451,8 @@ def validate(cfg: Config | DictConfig, *, hub_cache: bool = True) -> Config:
     value and what is valid.
     """
     cfg = to_config(cfg)
-    for key, value, check in checked_keys(cfg):
+    first = ("trainer.", "distributed.")  # the sizes others derive from (${optimizer_steps:k}) are named before what they give
+    for key, value, check in sorted(checked_keys(cfg), key=lambda item: not item[0].startswith(first)):
         if value is not None and not check.ok(value):
             raise ConfigError(f"{key}={value!r} is invalid: it must be {check.describe()}")
     s, m, r, a = cfg.sampler, cfg.model, cfg.reward, cfg.algorithm
@@ -434,11 +484,15 @@ def validate(cfg: Config | DictConfig, *, hub_cache: bool = True) -> Config:
     weights = list(r.weights)
     _require(not weights or len(weights) == len(r.names), f"reward.weights has {len(weights)} entries for {len(r.names)} reward.names; give one weight per reward")
     _require(all(isinstance(w, (int, float)) and math.isfinite(w) for w in weights), f"reward.weights={weights} is invalid: each must be a finite number")
-    for name in [*eval_metric_names(r), *([r.feature_space] if r.feature_space else [])]:
+    for key, name in _reward_keys(r):
         try:
             resolve_reward(name)
         except RewardError as exc:
-            raise ConfigError(f"reward {name!r} (reward.names / gold / fidelity / judges / feature_space) is invalid: {exc}") from None
+            raise ConfigError(f"{key}: {exc}") from None
+        extra = missing_extra(name)
+        if extra:
+            raise ConfigError(f"{key}: {extra}")
+    check_prompts(cfg)
     e = cfg.eval
     if e.select_by is not None:
         key, _ = metric_key(e.select_by)
@@ -450,35 +504,85 @@ def validate(cfg: Config | DictConfig, *, hub_cache: bool = True) -> Config:
                  f"eval.stop_when_diverging={e.stop_when_diverging} compares the reward with eval.select_by={e.select_by}, which is the reward itself; select by a judge the run does not train on")
     _require(not e.stop_when_diverging or e.select_by is not None,
              f"eval.stop_when_diverging={e.stop_when_diverging} needs eval.select_by=<a held-out judge> (what must not fall while the reward rises)")
-    if hub_cache and offline():
-        check_hub_cache(cfg)
+    if hub_cache:
+        check_hub_cache(cfg, hub=offline())
     return cfg
 
 
-def hub_weights(cfg: Config) -> list[tuple[str, str, str]]:
-    """``(config key, Hub reference, kind)`` of every checkpoint the run loads from the Hub: ``model.path`` and each
-    reward's weights (given in ``reward.options`` or the reward's published default, ``Reward.hub_weights``)."""
+def check_prompts(cfg: Config) -> None:
+    """``trainer.prompts`` / ``eval.prompts`` against every reward's needs (``Reward.check_prompts``: GenEval needs each
+    prompt's row or a prompt it can parse), reading texts and metadata only (no image), before anything is built."""
+    for key, spec in (("trainer.prompts", cfg.trainer.prompts), ("eval.prompts", cfg.eval.prompts)):
+        if not spec:
+            continue
+        texts, table = prompt_texts(spec)
+        rows = [table.get(t) for t in texts]
+        for _, name in _reward_keys(cfg.reward):
+            check = getattr(resolve_reward(name), "check_prompts", None)
+            try:
+                if callable(check):
+                    check(texts, rows)
+            except (RewardError, ValueError) as exc:
+                raise ConfigError(f"{key}={spec}: {exc} (records carry it as GenEval rows or a metadata field; flow_grpo's "
+                                  "datasets: diffrl prompts convert --help)") from None
+
+
+def _reward_keys(r: RewardConfig) -> list[tuple[str, str]]:
+    """``(the key as the user sets it, reward name)`` of every reward a run builds (``reward.names=[a, b]``,
+    ``reward.gold=c`` …)."""
+    out = [(f"reward.names=[{', '.join(r.names)}]", n) for n in r.names]
+    out += [(f"reward.{k}={getattr(r, k)}", getattr(r, k)) for k in ("gold", "fidelity", "feature_space") if getattr(r, k)]
+    out += [(f"reward.judges=[{', '.join(r.judges)}]", n) for n in r.judges]
+    return out
+
+
+def hub_weights(cfg: Config, *, local: bool = False) -> list[tuple[str, str, str]]:
+    """``(config key, reference, kind)`` of every checkpoint the run loads: ``model.path`` first, then each reward's
+    weights (given in ``reward.options`` or the reward's published default, ``Reward.hub_weights``). Hub references
+    only, unless ``local`` (then local paths too)."""
     out = []
-    if cfg.model.path is not None and is_hub_ref(cfg.model.path):
+    if cfg.model.path is not None and (local or is_hub_ref(cfg.model.path)):
         out.append(("model.path", str(cfg.model.path), "family"))
     r = cfg.reward
     for name in dict.fromkeys([*eval_metric_names(r), *([r.feature_space] if r.feature_space else [])]):
         refs = getattr(resolve_reward(name), "weight_refs", None)
         options = dict(r.options.get(name, {}) or {})
         for option, weights in (refs(options) if callable(refs) else {}).items():
-            if is_hub_ref(weights.ref):
+            if local or is_hub_ref(weights.ref):
                 out.append((f"+reward.options.{name}.{option}", weights.ref, weights.kind))
     return out
 
 
-def check_hub_cache(cfg: Config) -> None:
-    """With ``HF_HUB_OFFLINE=1``: every Hub checkpoint of the run is in the Hugging Face cache, else one line naming
-    the repository, the revision and the command that fetches it (before anything is built)."""
-    try:
-        for key, ref, kind in hub_weights(cfg):
+def _fetch_line(message: str) -> str:
+    """The ``hf download …`` command of a :class:`HubError`'s message, else the message itself."""
+    match = re.search(r"(hf download .*?)(?: \(HF_HOME=[^)]*\))?$", message)
+    return match.group(1) if match else message
+
+
+def check_hub_cache(cfg: Config, *, hub: bool = True) -> None:
+    """Every checkpoint of the run is there before anything is built: local paths exist, and (``hub``: with
+    ``HF_HUB_OFFLINE=1``) every Hub reference is in the Hugging Face cache. All missing pieces are collected, the
+    model before its rewards: one of them is one line naming the repository, the revision and the command that fetches
+    it; several are one error with one ``hf download`` line each."""
+    missing: list[tuple[str, str]] = []  # (key, the whole message)
+    for key, ref, kind in hub_weights(cfg, local=True):
+        if not is_hub_ref(ref):
+            if not Path(ref).expanduser().exists():
+                what = "a local diffusers folder or a Hub id (org/name)" if kind == "family" else "a local path or a Hub id"
+                missing.append((key, f"{key}={ref}: no such file or folder; give {what}"))
+            continue
+        if not hub:
+            continue
+        try:
             if kind == "family":
                 resolve_model_path(cfg.model.family, ref, cfg.model.revision)
             else:
                 resolve_weights(ref, kind, key=key)
-    except HubError as exc:
-        raise ConfigError(str(exc)) from None
+        except HubError as exc:
+            missing.append((key, str(exc)))
+    if len(missing) == 1:
+        raise ConfigError(missing[0][1])
+    if missing:
+        lines = "\n".join(f"  {key}: {_fetch_line(message)}" if "hf download" in message else f"  {message}" for key, message in missing)
+        where = f"from the Hugging Face cache {cache_dir()} (HF_HUB_OFFLINE=1) or the disk" if offline() else "from the disk"
+        raise ConfigError(f"{len(missing)} checkpoints of this run are missing {where}; fetch or fix each, then run again:\n{lines}")

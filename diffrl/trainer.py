@@ -47,6 +47,14 @@ class RunStopped(RuntimeError):
     """The run stopped on a fault; the message names the cause and the checkpoint ``trainer.resume=auto`` continues from."""
 
 
+def groups_with_spread(rewards: torch.Tensor, group_id: torch.Tensor) -> float:
+    """The fraction of prompt groups whose rewards are not all equal (a group of equal rewards has zero advantages
+    under group-relative normalisation, so it teaches nothing)."""
+    ids = group_id.unique()
+    spread = [bool((rewards[group_id == g].max() - rewards[group_id == g].min()) > 0) for g in ids]
+    return sum(spread) / max(1, len(spread))
+
+
 class Trainer:
     """Runs one recipe (a composed config from ``diffrl.recipes.compose``, or the ``Config`` dataclasses)."""
 
@@ -63,6 +71,7 @@ class Trainer:
         self.low_precision_rollouts = check_algorithm(cfg, self.algorithm)  # FP8 rollouts: another behaviour policy, corrected
         self.resume_path, self.damaged, self.notices = None, [], []
         self.restart_from_scratch = False
+        self._steps_without_spread = 0  # steps in a row whose groups all had equal rewards (trainer.no_spread_warning)
         metrics = self.output_dir / "metrics.jsonl"
         if metrics.exists() and metrics.stat().st_size:  # (an empty one: the run stopped before its first evaluation finished)
             self.resume_path, self.damaged = self._pick_checkpoint()
@@ -216,6 +225,7 @@ class Trainer:
                 if record.get("skipped_nonfinite"):
                     progress.write(f"step {step + 1}: non-finite loss or gradients: {record['skipped_nonfinite']:g} optimizer step(s) skipped (algorithm.nonfinite=skip)")
                 progress.update(reward=record.get("reward_mean", float("nan")), loss=record.get("loss", float("nan")))
+                self._warn_without_spread(record, progress)
                 done = step + 1
                 if self.evaluation.due(done):
                     last_eval, stop = self._evaluate(done, wall_start, progress, f"eval at step {done}")
@@ -234,6 +244,17 @@ class Trainer:
         summary = self.evaluation.summary(self.output_dir, before, last_eval, time.perf_counter() - wall_start)
         checkpoint.write_json_atomic(self.output_dir / "summary.json", summary)
         return summary
+
+    def _warn_without_spread(self, record: dict, progress: Progress) -> None:
+        """One line, once, when ``trainer.no_spread_warning`` steps in a row had no prompt group with reward spread."""
+        n = int(self.cfg.trainer.no_spread_warning or 0)
+        if "groups_with_spread" not in record or not n:
+            return
+        self._steps_without_spread = 0 if record["groups_with_spread"] > 0 else self._steps_without_spread + 1
+        if self._steps_without_spread == n:
+            progress.write(f"diffrl: warning: step {record['step']}: no prompt group's rewards have differed for {n} steps (every advantage 0, "
+                           f"loss {record.get('loss', 0.0):g}, grad norm {record.get('grad_norm', 0.0):g}): nothing learns; check the reward "
+                           "(a saturated or constant score), raise trainer.group_size or sampler.noise_level (trainer.no_spread_warning=0 silences this)")
 
     def _save_checkpoint(self, step: int) -> Path:
         """The checkpoint at ``step`` (written unless it exists: a selected step is also a periodic one)."""
@@ -270,6 +291,7 @@ class Trainer:
         if self.algorithm.needs_rollout(step):
             traj, scores, rollout_record = self.driver.rollouts(step, times)
             record.update(rollout_record)
+            record["groups_with_spread"] = groups_with_spread(scores["rewards"].detach().cpu(), traj["group_id"].cpu())
         start = time.perf_counter()
         result = self.algorithm.update(self.evaluation.update_workers(self.workers), traj, scores, step)
         record.update(self.evaluation.update_ema(self.workers, step + 1))

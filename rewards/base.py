@@ -31,7 +31,9 @@ index in the full batch (for videos: the video's index, and the frame's when sco
 from __future__ import annotations
 
 import base64
+import difflib
 import importlib
+import importlib.util
 import io
 from dataclasses import dataclass
 from importlib.metadata import entry_points
@@ -118,12 +120,32 @@ class Reward:
         return path
 
     @classmethod
+    def check_prompts(cls, prompts: list[str], metadata: list[dict | None]) -> None:
+        """Raise (``RewardError``, one line) before anything is built when ``prompts`` (each with its metadata row, None
+        where it has none) cannot be scored by this reward, e.g. GenEval without a row and a prompt it cannot parse.
+        The default accepts any prompts."""
+
+    @classmethod
     def weight_refs(cls, options: dict) -> dict[str, Weights]:
         """Option → the weights a build with ``options`` loads (given or published), for checks before anything
         is built; none for an option not given under ``random_init``."""
         random_init = bool(options.get("random_init", False))
         return {opt: Weights(str(options[opt]) if options.get(opt) is not None else spec.ref, spec.kind)
                 for opt, spec in cls.hub_weights.items() if options.get(opt) is not None or not random_init}
+
+
+# optional packages of the built-in rewards: name -> (import name, the extra of pyproject.toml that installs it)
+EXTRAS = {"clip_score": ("open_clip", "rewards"), "hpsv2": ("open_clip", "rewards"), "aesthetic": ("open_clip", "rewards"),
+          "pickscore": ("open_clip", "rewards"), "geneval": ("open_clip", "rewards"), "ocr": ("rapidocr_onnxruntime", "rewards")}
+
+
+def missing_extra(name: str, find_spec: Callable = importlib.util.find_spec) -> str | None:
+    """One line naming the ``pip install`` that reward ``name`` needs when its optional package is not installed; None
+    when nothing is missing (or the reward needs no extra)."""
+    module, extra = EXTRAS.get(name, (None, None))
+    if module is None or find_spec(module) is not None:
+        return None
+    return f"reward {name!r} needs the package {module!r}, which is not installed: pip install -e '.[{extra}]'"
 
 
 def register_reward(name: str) -> Callable[[type], type]:
@@ -166,10 +188,10 @@ def resolve_reward(name: str) -> Any:
         if not hasattr(module, attr):
             raise RewardError(f"reward {name!r}: module {module_name!r} has no attribute {attr!r}")
         return getattr(module, attr)
-    raise RewardError(
-        f"unknown reward {name!r}; registered: {sorted(_REGISTRY)}; or give an entry point of group "
-        f"{ENTRY_POINT_GROUP!r} or a 'module:Class' path"
-    )
+    names = registered_names()
+    close = difflib.get_close_matches(name.replace("-", "_").lower(), names, n=3, cutoff=0.6)
+    hint = f"did you mean {' or '.join(repr(c) for c in close)}?" if close else f"none of the {len(names)} registered rewards is close (docs/rewards.md lists them)"
+    raise RewardError(f"unknown reward {name!r}: {hint} Or give an entry point of group {ENTRY_POINT_GROUP!r} or a 'module:Class' path")
 
 
 def build_reward(name: str, **kwargs) -> Callable:

@@ -273,6 +273,15 @@ class GenEvalOwl(Reward):
             return list(metadata)
         return [parse_prompt(p) for p in prompts]
 
+    @classmethod
+    def check_prompts(cls, prompts: list[str], metadata: list[dict | None]) -> None:
+        """Every prompt has its GenEval row, or else every prompt parses (:meth:`specs` uses the rows only when all
+        have one): a one-line ``RewardError`` naming the first prompt that does not, before anything is built."""
+        if metadata and all(isinstance(m, dict) and "include" in m for m in metadata):
+            return
+        for prompt in dict.fromkeys(prompts):
+            parse_prompt(prompt)
+
     def groups(self, prompts: list[str]) -> list[str | None]:
         """Each prompt's GenEval task type (``tag``), None where the prompt does not parse: evaluations report
         the score per task type (``diffrl.sampling.evaluation.group_means``), GenEval's table."""

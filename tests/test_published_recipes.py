@@ -8,8 +8,6 @@ import json
 import re
 
 import pytest
-import torch
-from PIL import Image
 
 from diffrl.prompt_sets import is_prompt_set, load_prompt_set
 from diffrl.recipes import CONFIG_DIR, compose, to_config, validate
@@ -32,10 +30,14 @@ PUBLISHED = {
 }
 
 
+NEEDS_RECORDS = {"flux_kontext_counting_flow_grpo"}  # trains on the user's records: refused without them (test_newcomer_path.py)
+
+
 def test_every_published_recipe_composes_validates_and_keeps_global_sizes(monkeypatch):
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)  # online, validate resolves nothing (downloads happen at build)
     for name, (cls, family, repo, steps) in PUBLISHED.items():
-        cfg = validate(compose([f"experiment={name}", "model.device=cpu"]))
+        records = [f"trainer.prompts={CONFIG_DIR.parent / 'assets/tiny_records/counting_edit'}"] if name in NEEDS_RECORDS else []
+        cfg = validate(compose([f"experiment={name}", "model.device=cpu", *records]))
         assert type(cfg.algorithm).__name__ == cls and cfg.model.family == family and cfg.model.path == repo, name
         batch = cfg.trainer.prompts_per_step * cfg.trainer.group_size
         assert batch // cfg.algorithm.mini_batch_size == steps and batch % cfg.algorithm.mini_batch_size == 0, name
@@ -55,28 +57,14 @@ def test_published_recipe_headers_state_values_against_sources():
         assert "our choice" in text or "-- ours" in text, name  # every departure from the peer is said
 
 
-def _kontext_records(tmp_path):
-    """Editing records with GenEval rows: a source image, an instruction and what the edited image should hold."""
-    folder = tmp_path / "edits"
-    folder.mkdir()
-    rows = []
-    for i, (count, noun) in enumerate([(2, "cup"), (3, "apple")]):
-        Image.fromarray((torch.rand(32, 32, 3, generator=torch.Generator().manual_seed(i)) * 255).byte().numpy()).save(folder / f"{i}.png")
-        meta = {"tag": "counting", "include": [{"class": noun, "count": count}], "exclude": [{"class": noun, "count": count + 1}]}
-        rows.append({"file_name": f"{i}.png", "instruction": f"make it {count} {noun}s", "metadata": meta})
-    (folder / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return folder
-
-
 @pytest.mark.parametrize("name", list(PUBLISHED))
 def test_published_recipe_runs_two_steps_shrunk_to_tiny(name, tmp_path, single_thread):
     out = tmp_path / "run"
-    extra = {"flux_kontext_counting_flow_grpo": [f"trainer.prompts={_kontext_records(tmp_path)}"],
-             "wan21_1_3b_ocr_flow_grpo": ["model.options.num_frames=5"]}.get(name, [])  # configs/shrink/tiny.yaml: frames are the family's
+    extra = {"wan21_1_3b_ocr_flow_grpo": ["model.options.num_frames=5"]}.get(name, [])  # configs/shrink/tiny.yaml: frames are the family's
     assert main(["train", f"experiment={name}", "+shrink=tiny", f"trainer.output_dir={out}", "trainer.progress=false", *extra]) == 0
     config = (out / "config.yaml").read_text()
     cls, family, _, steps = PUBLISHED[name]
-    recipe = to_config(compose([f"experiment={name}"]))
+    recipe = to_config(compose([f"experiment={name}", *(["+shrink=tiny"] if name in NEEDS_RECORDS else [])]))
     assert f"family: {family}" in config and f"experiment: {name}" in config
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in lines if r["kind"] == "train"]

@@ -29,8 +29,10 @@ overrides together (argparse) and not right after ``--prompts``/``--seeds``, whi
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,23 +40,71 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from diffrl.checkpoint import checkpoint_adapters, list_checkpoints, write_json_atomic
+from diffrl.checkpoint import CheckpointError, checkpoint_adapters, list_checkpoints, write_json_atomic
 from diffrl.config import MOVED_KEYS, eval_metric_names
-from diffrl.data import check_edit_prompts, eval_subset, run_prompts, sample_metadata
-from diffrl.data import read_prompts as read_prompt_source
+from diffrl.data import check_edit_prompts, eval_subset, load_prompts, run_prompts, sample_metadata
 from diffrl.distributed import build_worker_group
 from diffrl.distributed.workers import ActorRolloutRefWorker
-from diffrl.logging import save_gif, save_grid
+from diffrl.logging import WandbInitError, save_gif, save_grid
 from diffrl.recipes import ConfigError, compose, moved_key_message, run_schema, upgrade_run_config
 from diffrl.sampling.evaluation import eval_prompts_and_seeds
 from diffrl.sampling.evaluator import Evaluator
 from diffrl.resume import RunFolderError
 from diffrl.run_setup import worker_config
+from diffrl.tools import plan, prompts as prompt_files, reward_server
+from diffrl.tools.cli import add_train_parser
+from diffrl.trainer import RunStopped, Trainer
 from pipelines.base import family_class, split_prompts
-from rewards.base import build_reward
+from rewards.base import RewardError, build_reward
 
 LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
 _GROUPS = ("experiment", "model", "algorithm", "reward", "sampler")
+
+
+# -- the command line (diffrl.tools.cli hands every command here) ------------------------------------------
+def run_train(args) -> int:
+    """``diffrl train``: compose, then print the config (``--cfg job``) or plan (GPU runs) and train."""
+    from omegaconf import OmegaConf
+
+    cfg = compose(args.overrides)
+    if args.cfg == "job":
+        print(OmegaConf.to_yaml(cfg), end="", flush=True)
+        return 0
+    warning = plan.preflight(args.overrides, cfg)  # GPU runs: will it fit? (trainer.plan_check)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
+    trainer = Trainer(cfg)
+    print(f"diffrl: experiment {cfg.experiment} → {trainer.output_dir}", flush=True)
+    summary = trainer.fit()
+    keys = ("gold_accuracy_before", "gold_accuracy_after", "reward_before", "reward_after", "wall_seconds", "steps")
+    print(json.dumps({k: summary[k] for k in keys if k in summary}, indent=2), flush=True)
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    """Parse ``argv`` (a command and its arguments) and run it: a config error, a missing file or a failing reward is one
+    line on stderr and status 2; a run stopped by a fault, status 3 (``DIFFRL_TRACEBACK=1``: the traceback instead)."""
+    parser = argparse.ArgumentParser(prog="diffrl", description="RL post-training of diffusion and flow-matching models")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_train_parser(sub)
+    handlers = {"train": run_train}
+    handlers.update(add_parsers(sub))  # name -> handler(args) -> exit status
+    handlers.update(reward_server.add_parsers(sub))
+    handlers.update(plan.add_parser(sub))
+    handlers.update(prompt_files.add_parser(sub))
+    args = parser.parse_args(argv)
+    try:
+        return handlers[args.command](args)
+    except RunStopped as exc:
+        if os.environ.get("DIFFRL_TRACEBACK"):
+            raise
+        print(f"diffrl: stopped: {exc}", file=sys.stderr, flush=True)
+        return 3
+    except (CheckpointError, ConfigError, FileNotFoundError, FileExistsError, RunFolderError, RewardError, WandbInitError, ValueError) as exc:
+        if os.environ.get("DIFFRL_TRACEBACK"):
+            raise
+        print(f"diffrl: error: {exc}", file=sys.stderr, flush=True)
+        return 2
 
 
 # -- argument parsing ---------------------------------------------------------------------------------
@@ -79,7 +129,7 @@ def add_parsers(sub) -> dict:
     _model_arguments(sample)
     sample.add_argument("--base", action="store_true", help="with --run: the base model (no checkpoint) under the run's config")
     sample.add_argument("--prompts", nargs="+", help="prompts (quote each one)")
-    sample.add_argument("--prompt-file", help="a file with one prompt per line")
+    sample.add_argument("--prompt-file", help="a file with one prompt per line, records (JSONL: GenEval rows, {prompt, metadata}, editing records; their metadata reaches the rewards) or a built-in set (its test split)")
     sample.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3], help="generator seeds; every prompt is drawn once per seed")
     sample.add_argument("--rewards", nargs="*", default=None, help="reward names to score with (default: reward.names and reward.gold; none: no scoring)")
     sample.add_argument("--stochastic", action="store_true", help="draw with the rollout sampler (sampler.kind, sampler.num_steps) instead of the evaluation ODE")
@@ -88,7 +138,7 @@ def add_parsers(sub) -> dict:
     _model_arguments(ev)
     ev.add_argument("--base", action="store_true", help="with --run: the base model (no checkpoint) under the run's config")
     ev.add_argument("--prompts", nargs="+", help="prompts (default: trainer.prompts or the family's prompt set)")
-    ev.add_argument("--prompt-file", help="a file with one prompt per line")
+    ev.add_argument("--prompt-file", help="a file with one prompt per line, records (JSONL, with their metadata) or a built-in set (its test split)")
 
     export = sub.add_parser("export-lora", help="export a checkpoint's LoRA in the diffusers format", description="write pytorch_lora_weights.safetensors for pipe.load_lora_weights")
     _model_arguments(export)
@@ -273,17 +323,18 @@ def group_by_prompt(prompts: list[str], per_image: dict[str, list[float]]) -> di
     return out
 
 
-def read_prompts(args, required: bool) -> list[str] | None:
-
+def read_prompts(args, required: bool) -> tuple[list | None, dict[str, dict]]:
+    """``--prompts`` or ``--prompt-file`` (a prompt file, records with their metadata, or a built-in set's test split)
+    and the metadata of each prompt (``{prompt: row}``; empty for ``--prompts``)."""
     if args.prompts and args.prompt_file:
         raise ValueError("give either --prompts or --prompt-file, not both")
     if args.prompt_file:
-        return read_prompt_source(args.prompt_file)
+        return load_prompts(args.prompt_file, "test")
     if args.prompts:
-        return list(args.prompts)
+        return list(args.prompts), {}
     if required:
         raise ValueError("no prompts: give --prompts \"a red seven\" … or --prompt-file FILE")
-    return None
+    return None, {}
 
 
 def prepare_out(folder: str | Path, names: list[str], overwrite: bool) -> Path:
@@ -308,7 +359,7 @@ def _describe(source: ModelSource) -> dict:
 # -- sample ---------------------------------------------------------------------------------------------
 def run_sample(args) -> int:
 
-    prompts = read_prompts(args, required=True)
+    prompts, table = read_prompts(args, required=True)
     out = prepare_out(args.out, ["samples.json", "grid.png", "images"], args.overwrite)
     source = resolve_source(args)
     cfg = source.cfg
@@ -320,7 +371,8 @@ def run_sample(args) -> int:
     seeds = [s for _ in prompts for s in args.seeds]
     # --stochastic: the rollout's own stochastic sampler, no step trained
     evaluator = Evaluator(metrics, eval_num_steps=None if args.stochastic else cfg.sampler.eval_num_steps, micro_batch_size=cfg.sampler.micro_batch_size)
-    result = evaluator.run(workers.generate_sequences, all_records, seeds, policy="ema" if adapter == "ema" else "current")
+    result = evaluator.run(workers.generate_sequences, all_records, seeds, policy="ema" if adapter == "ema" else "current",
+                           metadata=sample_metadata(split_prompts(all_records)[0], table))  # the records' metadata reaches the rewards
     images, all_prompts, sources, per_image = result.images, result.prompts, result.sources, result.outputs
     means = {f"eval/{name}": float(values.mean()) for name, values in result.scores.items()}
     (out / "images").mkdir(parents=True, exist_ok=True)
@@ -331,7 +383,8 @@ def run_sample(args) -> int:
         if images.ndim == 5:
             save_gif(images[i], out / f"images/{i:04d}.gif")
         samples.append({"index": i, "prompt": prompt, "seed": seed, "image": name, "rewards": {k: v[i] for k, v in per_image.items()},
-                        **({"source": all_records[i].name} if sources is not None else {})})
+                        **({"source": all_records[i].name} if sources is not None else {}),
+                        **({"metadata": table[prompt]} if prompt in table else {})})
     save_grid(images if sources is None else torch.cat([sources, images], dim=-1), out / "grid.png", columns=len(args.seeds), scale=4)
     stochastic_eval = bool(cfg.sampler.get("eval_stochastic", False))
     sampler = {"kind": cfg.sampler.kind if args.stochastic or stochastic_eval else "ode/ddim (deterministic)",
@@ -356,7 +409,10 @@ def run_eval(args) -> int:
     adapter = chosen_adapter(args, source)
     workers = build_workers(source)
     _, eval_prompts, table = run_prompts(cfg)  # the trainer's evaluation prompts (a set's test split, eval.num_prompts)
-    prompts = read_prompts(args, required=False) or eval_prompts or eval_subset(workers.default_prompts(), e)
+    given, given_table = read_prompts(args, required=False)
+    if given:
+        table = {**table, **given_table}
+    prompts = given or eval_prompts or eval_subset(workers.default_prompts(), e)
     if not prompts:
         raise ValueError(f"model family {cfg.model.family!r} has no built-in prompts; give --prompts, --prompt-file or trainer.prompts=<file>")
     prompts = check_edit_prompts(prompts, cfg.model.family, cfg.sampler)
