@@ -1,8 +1,9 @@
-"""Whole runs through the CLI: reproducible metrics, and the default recipe raising gold accuracy."""
+"""Whole runs through the CLI: reproducible metrics, and the default recipe retracing its published run."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
@@ -43,14 +44,40 @@ def test_same_seed_gives_identical_metrics(tmp_path):
     assert (runs[0] / "images" / "eval_step_000000.png").is_file() and (runs[0] / "images" / "eval_step_000003.png").is_file()
 
 
-@pytest.mark.recipe
-def test_default_recipe_raises_gold_accuracy(tmp_path):
-    """`diffrl train` with no arguments but the output folder (README's command 1): the fidelity headline up by ≥ 15 points
-    (published: +20.4) with the diversity kept, not raw gold, which a run that hacks the reward raises too."""
-    assert main(["train", f"trainer.output_dir={tmp_path / 'default'}", "trainer.progress=false"]) == 0
-    summary = json.loads((tmp_path / "default" / "summary.json").read_text())
-    print(json.dumps(summary, indent=2))
-    assert summary["fidelity"]["gain"] is not None and summary["fidelity"]["gain"] >= 0.15, summary["fidelity"]
-    assert summary["reward_after"] > summary["reward_before"]
-    train = [r for r in read_jsonl(tmp_path / "default" / "metrics.jsonl") if r["kind"] == "train"]
-    assert all(r["first_ratio_mean"] == pytest.approx(1.0, abs=1e-12) for r in train)  # on-policy at every step
+PINNED = Path(__file__).parent / "data" / "default_recipe_published.json"
+FOLLOW_STEPS = 20
+# the continuous numbers of a step; between AVX-512 and AVX2 kernels and 1 or 2 threads the first 20 steps of the
+# trajectory agree to ≤ 4e-7 relative (2026-12-06): 1e-4 leaves room and still fails on any change of the update
+FOLLOWED = ("reward_mean", "reward_std", "advantage_abs_mean", "grad_norm", "ratio_mean", "policy_loss", "lr")
+
+
+@pytest.mark.slow
+def test_default_recipe_follows_its_published_run(tmp_path):
+    """README command 1 (`diffrl train`, the default recipe) on a shorter schedule: its first 20 steps retrace the
+    published 120-step run step for step (pinned by `benchmarks/learning/pin_default_recipe.py`), whose headline is a
+    fidelity gain (README's number), not raw gold, which a run that hacks the reward raises too. The recipe's schedule
+    is constant, so stopping at step 20 changes no update."""
+    pinned = json.loads(PINNED.read_text())
+    fidelity = pinned["summary"]["fidelity"]
+    assert pinned["summary"]["steps"] == 120 and fidelity["gain"] is not None and fidelity["last_gain"] >= 0.15, fidelity
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    assert f"the default Flow-GRPO +{100 * fidelity['last_gain']:.1f}" in readme  # README publishes this file's gain
+
+    out = tmp_path / "default"
+    assert main(["train", f"trainer.output_dir={out}", "trainer.progress=false", f"trainer.steps={FOLLOW_STEPS}",
+                 f"eval.every={FOLLOW_STEPS}", f"trainer.checkpoint_every={FOLLOW_STEPS}"]) == 0
+    records = read_jsonl(out / "metrics.jsonl")
+    train = [r for r in records if r["kind"] == "train"]
+    published = [r for r in pinned["records"] if r["kind"] == "train"][:FOLLOW_STEPS]
+    assert [r["step"] for r in train] == [r["step"] for r in published] == list(range(1, FOLLOW_STEPS + 1))
+    for got, want in zip(train, published):
+        for key in FOLLOWED:
+            assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-12), (got["step"], key)
+        assert got["first_ratio_mean"] == pytest.approx(1.0, abs=1e-12)  # on-policy at every step
+    before = next(r for r in records if r["kind"] == "eval" and r["step"] == 0)
+    base = next(r for r in pinned["records"] if r["kind"] == "eval" and r["step"] == 0)
+    for key in ("eval/digits", "eval/digits_gold", "eval/digits_fidelity", "eval/digits_real", "eval/diversity_feature"):
+        assert before[key] == pytest.approx(base[key], rel=1e-4), key
+    # the run moved: its evaluation at step 20 is not the base's
+    after = next(r for r in records if r["kind"] == "eval" and r["step"] == FOLLOW_STEPS)
+    assert after["eval/digits"] != before["eval/digits"]
