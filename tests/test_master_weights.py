@@ -268,6 +268,7 @@ def two_ranks(tmp_path_factory):
     return folder, [torch.load(folder / f"rank{r}.pt", weights_only=True) for r in range(2)]
 
 
+@pytest.mark.ranks
 def test_fsdp2_shards_fp32_masters_and_matches_one_process(two_ranks, one_process):
     folder, ranks = two_ranks
     for got in ranks:

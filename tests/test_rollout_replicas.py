@@ -213,6 +213,7 @@ def _check_syncs(train: list[dict]) -> None:
     assert train[0]["weight_sync/initial_hash_replicas"] == [train[0]["weight_sync/initial_hash"]]
 
 
+@pytest.mark.ranks
 def test_staleness_0_with_one_replica_reproduces_the_synchronous_run(tmp_path, synchronous_run, ray_cluster):
     expected, final_hash = synchronous_run
     got, _ = _replica_run(tmp_path, 0)

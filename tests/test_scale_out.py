@@ -69,6 +69,7 @@ def test_bad_split_fails_before_any_work_with_valid_sizes(tmp_path):
 @pytest.mark.parametrize("extra", [(), pytest.param(("algorithm.mini_batch_size=4", "algorithm.kl_beta=0.05"), marks=pytest.mark.slow),
                                    # gradient accumulation: 4 micro-batches of 2 on one worker, 2 of 2 on each of two ranks
                                    pytest.param(("algorithm.mini_batch_size=8", "algorithm.micro_batch_size=2"), marks=pytest.mark.slow)])
+@pytest.mark.ranks
 def test_ray_two_workers_fsdp2_match_the_local_worker(tmp_path, extra):
     """Sizes are global: the same recipe on 1 or 2 ranks computes the same update (weights and metrics)."""
     import ray

@@ -151,6 +151,7 @@ def _one_process(prefix: str, case) -> dict:
     return {f"{prefix}/{k}": v for k, v in case().items()}
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("family", list(LATENTS))
 def test_transformer_outputs_and_lora_gradients_equal_one_rank(two_ranks, family):
     want = _one_process(family, lambda: _model_case(family, None))
@@ -170,6 +171,7 @@ def test_transformer_outputs_and_lora_gradients_equal_one_rank(two_ranks, family
     print(f"{family}: output max |Δ| {diffs['output'][0]:.2e}; LoRA gradients ({len(grads)} tensors) worst max |Δ| / max |value| {worst:.2e}")
 
 
+@pytest.mark.ranks
 def test_engine_log_probs_and_fsdp2_gradients_equal_one_rank(two_ranks):
     want = _one_process("engine", lambda: _engine_case(1))
     got = two_ranks[0]

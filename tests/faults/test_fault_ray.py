@@ -84,6 +84,7 @@ def test_lost_rank_restarts_from_the_newest_checkpoint_or_stops_naming_it(tmp_pa
     assert "\n" not in message and "rank 0" in message and "step_000001" in message and "trainer.max_restarts" in message
 
 
+@pytest.mark.ranks
 def test_a_peers_collective_error_that_comes_first_still_reports_the_dead_rank(cluster):
     """When a rank dies, the live rank's collective fails at once; its error must not hide the cause (a lost
     rank, which the driver restarts or names) even when it reaches the driver first."""
