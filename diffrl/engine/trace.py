@@ -8,7 +8,8 @@ and stepped on a laptop's CPU in seconds. Two things torch's tools do not give, 
 * **Small tensors stay real.** Sampling code reads a few values back (a mask's ``.any()``, the number of valid
   text tokens, a window's start); on fake tensors that raises ``DataDependentOutputException``. Here an op
   whose tensor inputs are all real and small (≤ :data:`SMALL` elements: seeds, schedules; integer and boolean
-  tensors up to :data:`SMALL_INDEX`: masks, token ids) runs for real, and its small outputs stay real; a small real tensor meeting a fake one becomes a fake
+  tensors up to :data:`SMALL_INDEX`: masks, token ids) runs for real, and its small outputs stay real (random draws
+  above :data:`SMALL_RANDOM` elements and stacks that grow past :data:`SMALL` are fake); a small real tensor meeting a fake one becomes a fake
   *constant* (torch's constant propagation then keeps e.g. a boolean index exact). Big tensors are fake.
   Values read from fake tensors (a loss's ``.item()`` for the metrics) read as 0, booleans as False, except
   those computed by ``isfinite`` (the optimizer's finiteness check), which read as True; an integer read from
@@ -56,6 +57,10 @@ ALLOCATION_UNIT = 512
 _GROWING = {"new_empty", "new_zeros", "new_ones", "new_full", "new_empty_strided", "repeat", "repeat_interleave", "empty_like", "zeros_like",
             "ones_like", "full_like", "rand_like", "randn_like", "expand_copy", "tile", "stack", "cat", "concat"}
 _aten = torch.ops.aten
+SMALL_RANDOM = 1 << 12
+"""elements above which a random tensor drawn from no tensor (``randn``, ``rand``: per-sample noise) is fake: its values
+are never read back, and drawing a thousand real ones per step cost most of a plan's time"""
+_RANDOM = {_aten.randn, _aten.rand, _aten.normal}
 # ops through which a fake "is finite" boolean stays one (a value read from any other fake boolean reads False)
 _KEEPS_TRUTH = {_aten.all, _aten.logical_and, _aten.bitwise_and, _aten._to_copy, _aten.alias, _aten.view, _aten.squeeze, _aten.clone,
                 _aten.detach, _aten.lift_fresh, _aten.all}
@@ -131,6 +136,12 @@ class ShapeTrace(TorchDispatchMode):
                 return 0.0  # a metric (a loss's .item())
             raise RuntimeError(f"diffrl plan: the code read an integer from a tensor of {tuple(t.shape)} elements that is not kept real "
                                f"(more than {SMALL_INDEX} or computed from model outputs); its shapes would depend on it")
+        if not tensors and func._overloadpacket in _RANDOM:
+            out = func(*args, **kwargs)  # on fake tensors first (the fake mode below): real only when tiny
+            if all(t.numel() <= SMALL_RANDOM for t in _tensors(out)):
+                with fake_tensor.unset_fake_temporarily():
+                    out = func(*args, **kwargs)
+            return self._account(func, args, kwargs, out)
         if not any(fake) and all(_small(t) for t in tensors):
             probe = []
             if not tensors or func.__name__.split(".")[0] in _GROWING:  # a factory: check its size on fake tensors first
@@ -291,4 +302,4 @@ def memoised_forward(adapter, trace: ShapeTrace):
         yield
 
 
-__all__ = ["ALLOCATION_UNIT", "SMALL", "ShapeTrace", "is_fake", "memoised", "memoised_forward", "shape_trace"]
+__all__ = ["ALLOCATION_UNIT", "SMALL", "SMALL_RANDOM", "ShapeTrace", "is_fake", "memoised", "memoised_forward", "shape_trace"]

@@ -43,6 +43,7 @@ import contextlib
 import copy
 import dataclasses
 import logging
+import math
 import time
 import warnings
 from dataclasses import dataclass
@@ -275,6 +276,32 @@ def step_recipe(cfg, gpus: int, phase, memo=lambda adapter: contextlib.nullconte
 
 
 @contextlib.contextmanager
+def _batched_noise():
+    """Per-sample noise (``randn_per_sample`` with a generator per row, as rollouts and objectives draw it) as one fake
+    draw of the batch's shape while tracing: the same bytes on the GPU (a run draws the rows on host generators and
+    copies the stacked batch over), without a thousand dispatches per denoising step. Rows of at most
+    :data:`diffrl.engine.trace.SMALL_RANDOM` elements are drawn as the run draws them."""
+    from diffrl.algorithms import objectives
+    from diffrl.sampling import rollout, sde
+
+    original = sde.randn_per_sample
+
+    def draw(shape, generator, device, dtype=torch.float32):
+        if isinstance(generator, (list, tuple)) and len(generator) == shape[0] and math.prod(shape[1:]) > tracing.SMALL_RANDOM:
+            return torch.randn(tuple(shape), device=device, dtype=dtype)
+        return original(shape, generator, device, dtype)
+
+    modules = (sde, rollout, objectives)
+    for module in modules:
+        module.randn_per_sample = draw
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.randn_per_sample = original
+
+
+@contextlib.contextmanager
 def _quiet():
     """Silence what building models on fake tensors prints on every plan: diffusers' "modules that should be kept in
     float32: []" of a ``.to(dtype)``, transformers' notices and torch's FakeTensor / meta-device warnings."""
@@ -328,7 +355,7 @@ def _local_collectives():
 def trace_recipe(cfg, gpus: int, *, allocation_unit: int = tracing.ALLOCATION_UNIT) -> Trace:
     """Step one rank of the recipe on fake tensors (:func:`step_recipe` under :func:`diffrl.engine.trace.shape_trace`)."""
     start = time.perf_counter()
-    with _quiet(), _eager_loading(), _local_collectives(), tracing.shape_trace(allocation_unit=allocation_unit) as trace:
+    with _quiet(), _eager_loading(), _local_collectives(), _batched_noise(), tracing.shape_trace(allocation_unit=allocation_unit) as trace:
         sizes = step_recipe(cfg, gpus, trace.phase, lambda adapter: tracing.memoised_forward(adapter, trace))
     phases = trace.phases
     rewards, uncounted = reward_bytes(cfg)
