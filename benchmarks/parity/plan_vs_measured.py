@@ -5,7 +5,9 @@ and the step time given the MFU measured in that run (±20 % asked).
 The configuration of a ``gpu_scale.py`` run (its ``settings``: shape, images, group, micro-batch, steps, CFG,
 SDE window, LoRA rank/targets, activation checkpointing, CFG mode, decode chunk, Qwen-Image prompt length) is
 written as recipe overrides (:func:`overrides_of`); the planner then composes and steps it as ``diffrl train``
-would. The measured step is ``rollout_s + train_s`` of the same variant; its MFU is the one the plan is given.
+would. The measured step is ``rollout_s + train_s`` of the same variant; its MFU is the one the plan is given. The runs
+held 2-layer stand-in text encoders (dropped after caching the prompts), so the comparison plans those
+(:func:`stand_in_text`); a run with the published encoders (``pipelines.shapes.TEXT_ENCODERS``) is still to be measured.
 
     PYTHONPATH=. python benchmarks/parity/plan_vs_measured.py --out benchmarks/results/plan_vs_measured.json
 """
@@ -13,6 +15,8 @@ would. The measured step is ``rollout_s + train_s`` of the same variant; its MFU
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import glob
 import json
 import sys
@@ -29,7 +33,8 @@ import gpu_scale  # noqa: E402  (benchmarks/speed/gpu_scale.py: the measured sha
 from diffrl.engine.trace import shape_trace  # noqa: E402
 from diffrl.tools.plan import GiB, per_rank, plan_config, trace_recipe  # noqa: E402
 from pipelines import build_adapter  # noqa: E402
-from pipelines.base import family_class  # noqa: E402
+from pipelines.base import family_class, known_families  # noqa: E402
+from pipelines.shapes import PARENT_SHAPES, SHAPES  # noqa: E402
 
 MODEL_GROUP = {"sd3": "sd3_tiny", "flux": "flux_tiny", "qwen_image": "qwen_image_tiny", "wan": "wan_tiny"}
 
@@ -97,11 +102,27 @@ def prompts_for(s: dict, folder: Path) -> str | None:
     return str(path)
 
 
+@contextlib.contextmanager
+def stand_in_text(shape: str):
+    """The landed H200 runs built their published shapes with 2-layer stand-in text encoders (before issue 56): plan what
+    they held (``Shape.stand_in_text``; an editing shape builds through its parent's)."""
+    known_families()
+    names = {shape, PARENT_SHAPES.get(shape, shape)}
+    saved = {n: SHAPES[n] for n in names}
+    try:
+        for n in names:
+            SHAPES[n] = dataclasses.replace(saved[n], stand_in_text=True)
+        yield
+    finally:
+        SHAPES.update(saved)
+
+
 def compare(row: dict, folder: Path) -> dict:
     s = row["settings"]
     start = time.perf_counter()
-    cfg, shape = plan_config(overrides_of(s, prompts_for(s, folder)), 1)
-    tr = trace_recipe(cfg, 1)
+    with stand_in_text(s["shape"]):
+        cfg, shape = plan_config(overrides_of(s, prompts_for(s, folder)), 1)
+        tr = trace_recipe(cfg, 1)
     rank = per_rank(tr, cfg, 1)
     peak = row["peak_tflops"] * 1e12
     rollout_s = tr.rollout_flops / (row["rollout_mfu"] * peak)
