@@ -29,6 +29,7 @@ Wan2.1-T2V-1.3B 1.42 B.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 from dataclasses import dataclass, field
 
@@ -87,6 +88,14 @@ class Shape:
     source: str = ""
     stand_in_text: bool = False
     """True: 2-layer text encoders of the real widths (tests on a CPU); False: the published configs (:data:`TEXT_ENCODERS`)"""
+
+    def block_kinds(self) -> dict[str, int]:
+        """:func:`block_kinds` of this shape."""
+        return block_kinds(self)
+
+    def with_depth(self, counts: dict[str, int]) -> Shape:
+        """:func:`with_depth` of this shape."""
+        return with_depth(self, counts)
 
 
 SHAPES: dict[str, Shape] = {}
@@ -194,6 +203,35 @@ def t5_config(base: dict, width: int) -> dict:
     return dict(base, d_model=width, d_kv=64, num_heads=8, d_ff=1024)
 
 
+def block_kinds(shape: Shape) -> dict[str, int]:
+    """The transformer's repeated blocks of ``shape`` by kind → how many: FLUX's ``double`` and ``single`` blocks, SD3's
+    ``dual`` (dual-attention, the first ones), ``plain`` and ``last`` (context-pre-only) blocks, any other family's
+    ``block``s. A plan traces a few of each kind and multiplies (``diffrl.tools.plan``; :func:`with_depth` builds them)."""
+    t = shape.transformer
+    if "num_single_layers" in t:
+        return {"double": int(t["num_layers"]), "single": int(t["num_single_layers"])}
+    if "caption_projection_dim" in t:  # SD3's MMDiT
+        dual = tuple(t.get("dual_attention_layers", ()))
+        if dual != tuple(range(len(dual))):
+            raise ValueError(f"shape {shape.name}: dual-attention blocks {dual} are not the first ones")
+        return {"dual": len(dual), "plain": int(t["num_layers"]) - len(dual) - 1, "last": 1}
+    return {"block": int(t["num_layers"])}
+
+
+def with_depth(shape: Shape, counts: dict[str, int]) -> Shape:
+    """``shape`` with ``counts`` blocks of each kind of :func:`block_kinds` (the rest of it unchanged)."""
+    t = dict(shape.transformer)
+    if "num_single_layers" in t:
+        t.update(num_layers=counts["double"], num_single_layers=counts["single"])
+    elif "caption_projection_dim" in t:
+        t["num_layers"] = counts["dual"] + counts["plain"] + counts["last"]
+        if "dual_attention_layers" in t:
+            t["dual_attention_layers"] = tuple(range(counts["dual"]))
+    else:
+        t["num_layers"] = counts["block"]
+    return dataclasses.replace(shape, transformer=t)
+
+
 _TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
 
 
@@ -215,5 +253,5 @@ def text_config(shape: Shape, name: str, tiny: dict, vocab_size: int | None = No
 __all__ = [
     "FULL", "PARENT_SHAPES", "SHAPES", "SD3_FLUX_VAE", "Shape", "building", "check_shape_path", "clip_config", "family_components", "parent_shape",
     "plain", "register_shape", "resolve_shape", "shape_names", "t5_config", "text_config", "TEXT_ENCODERS", "TEXT_ENCODER_PARAMS",
-    "CLIP_L_TEXT", "CLIP_G_TEXT", "T5_XXL_ENCODER", "UMT5_XXL_ENCODER", "QWEN2_5_VL_7B",
+    "block_kinds", "with_depth", "CLIP_L_TEXT", "CLIP_G_TEXT", "T5_XXL_ENCODER", "UMT5_XXL_ENCODER", "QWEN2_5_VL_7B",
 ]

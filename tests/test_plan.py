@@ -325,3 +325,41 @@ def test_recommendations_start_from_the_peak_phase_and_end_with_the_overrides():
          "tried": [{"change": "a", "overrides": ["sampler.micro_batch_size=8"], "gpus": 1, "peak_gib": 90.0},
                    {"change": "b", "gpus": 2, "peak_gib": 150.0, "note": "its weights and optimizer state alone exceed the budget"}]}
     assert planner.next_step(r) == "closest: a at 90.0 GiB per GPU; try diffrl plan experiment=x sampler.micro_batch_size=8 --gpus 1 --gpu h200"
+
+
+# a narrowed SD3.5-Medium (its three block kinds: 2 dual-attention, 2 plain, the last) and a narrowed FLUX.1 (3 double, 4 single)
+_NARROW = {
+    "sd35_medium": dict(num_layers=5, dual_attention_layers=(0, 1), num_attention_heads=2, attention_head_dim=32, caption_projection_dim=64),
+    "flux_dev": dict(num_layers=3, num_single_layers=4, num_attention_heads=2, attention_head_dim=32, axes_dims_rope=(8, 12, 12)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_NARROW))
+def test_per_block_trace_equals_the_full_trace(name, monkeypatch):
+    """One block of each kind traced, then one more of each kind, extrapolated to the shape's depth: every phase's peak
+    and remaining bytes, its FLOPs and each category of static bytes within 1 % of the trace of the whole model (LoRA,
+    activation checkpointing of every block, CFG, the training micro-batch, a rollout after the update)."""
+    from pipelines.base import known_families
+    from pipelines.shapes import SHAPES
+    from pipelines.tiny import TINY_VAE
+
+    known_families()
+    shape = SHAPES[name]
+    narrow = dataclasses.replace(shape, transformer={**shape.transformer, **_NARROW[name]}, vae=dict(TINY_VAE, latent_channels=16), stand_in_text=True)
+    monkeypatch.setitem(SHAPES, name, narrow)
+    model = {"sd35_medium": "sd3_tiny", "flux_dev": "flux_tiny"}[name]
+    overrides = [f"model={model}", f"+model.options.shape={name}", "+model.options.max_sequence_length=32", "sampler.height=32", "sampler.width=32",
+                 "sampler.num_steps=3", "model.activation_checkpointing=true", "algorithm.micro_batch_size=2", "trainer.prompts_per_step=2",
+                 "trainer.group_size=2", "model.dtype=bfloat16"]
+    cfg, _ = planner.plan_config(overrides, 1)
+    full = planner.trace_recipe(cfg, 1, per_block=False)
+    multiplied = planner.trace_recipe(cfg, 1)
+    assert set(multiplied.phases) == set(full.phases)
+    for phase, f in full.phases.items():
+        for key in ("peak_bytes", "after_bytes", "flops"):
+            assert multiplied.phases[phase][key] == pytest.approx(f[key], rel=0.01), (phase, key)
+    for key, value in full.categories.items():
+        assert multiplied.categories[key] == pytest.approx(value, rel=0.01, abs=512), key
+    assert multiplied.rollout_flops == pytest.approx(full.rollout_flops, rel=0.01)
+    assert multiplied.train_flops == pytest.approx(full.train_flops, rel=0.01)
+    assert multiplied.block_bytes == full.block_bytes

@@ -53,7 +53,8 @@ import torch.distributed as dist
 from diffusers.models import modeling_utils
 from omegaconf import OmegaConf, open_dict
 
-from diffrl.algorithms import build_algorithm
+from diffrl import recipes
+from diffrl.algorithms import build_algorithm, objectives
 from diffrl.data import run_prompts, step_prompts
 from diffrl.distributed import build_worker_group
 from diffrl.distributed.workers import ActorRolloutRefWorker
@@ -63,9 +64,10 @@ from diffrl.engine.flops import DEVICE_PEAK_FLOPS
 from diffrl.recipes import compose, validate
 from diffrl.recipes import check_sizes
 from diffrl.rollout_driver import build_window, rollout_request
+from diffrl.sampling import rollout, sde
 from diffrl.run_setup import run_context, worker_config
 from diffrl.tools.plan_rewards import reward_bytes
-from pipelines.base import parent_shape_name, published_shape
+from pipelines.base import PARENT_SHAPES, SHAPES, parent_shape_name, published_shape
 
 GiB = 2**30
 GPUS = {  # name → (memory in GiB that torch reports as total, dense bf16 FLOP/s from diffrl.engine.flops)
@@ -149,8 +151,6 @@ def plan_config(overrides: list[str], gpus: int):
 def _check_sizes(cfg) -> None:
     """``recipes.check_sizes`` of the N ranks planned, without its backend check: the plan runs them as one local worker
     (``distributed.backend=local``), where the run would use Ray, which the planning machine need not have."""
-    import diffrl.recipes as recipes
-
     saved = getattr(recipes, "check_backend", None)
     if saved is not None:
         recipes.check_backend = lambda dist: None
@@ -281,9 +281,6 @@ def _batched_noise():
     draw of the batch's shape while tracing: the same bytes on the GPU (a run draws the rows on host generators and
     copies the stacked batch over), without a thousand dispatches per denoising step. Rows of at most
     :data:`diffrl.engine.trace.SMALL_RANDOM` elements are drawn as the run draws them."""
-    from diffrl.algorithms import objectives
-    from diffrl.sampling import rollout, sde
-
     original = sde.randn_per_sample
 
     def draw(shape, generator, device, dtype=torch.float32):
@@ -352,9 +349,54 @@ def _local_collectives():
         dist.all_to_all_single, dist.all_gather = saved
 
 
-def trace_recipe(cfg, gpus: int, *, allocation_unit: int = tracing.ALLOCATION_UNIT) -> Trace:
-    """Step one rank of the recipe on fake tensors (:func:`step_recipe` under :func:`diffrl.engine.trace.shape_trace`)."""
+def trace_recipe(cfg, gpus: int, *, allocation_unit: int = tracing.ALLOCATION_UNIT, per_block: bool = True) -> Trace:
+    """Step one rank of the recipe on fake tensors (:func:`step_recipe` under :func:`diffrl.engine.trace.shape_trace`).
+
+    At a published shape with ``per_block`` the transformer is traced with one block of each kind
+    (``Shape.block_kinds``), then with one more of each kind in turn, and every byte and FLOP count is
+    extrapolated linearly to the published depth: a block's weights, LoRA, gradients, optimizer states, saved
+    activations and FLOPs add up per block, and the transient of one block's forward or recompute does not grow with
+    the depth (``tests/test_plan.py`` compares it with the full trace). FLUX.1's 57 blocks are then 3 traces of 2-3."""
     start = time.perf_counter()
+    name = str((cfg.model.options or {}).get("shape", "tiny"))
+    built = PARENT_SHAPES.get(name, name)  # an editing shape builds through its parent's
+    spec = SHAPES.get(built) if name not in ("tiny", "local") else None
+    kinds = spec.block_kinds() if spec is not None and per_block else {}
+    grow = [k for k, n in kinds.items() if n > 1]
+    if not grow:
+        return _trace_once(cfg, gpus, allocation_unit, start)
+    base = {k: min(n, 1) for k, n in kinds.items()}
+    with _shape_as(built, spec.with_depth(base)):
+        first = _trace_once(cfg, gpus, allocation_unit, start)
+    steps = []
+    for kind in grow:
+        with _shape_as(built, spec.with_depth({**base, kind: base[kind] + 1})):
+            steps.append((kinds[kind] - base[kind], _trace_once(cfg, gpus, allocation_unit, start)))
+    return _extrapolate(first, steps, time.perf_counter() - start)
+
+
+@contextlib.contextmanager
+def _shape_as(name: str, shape):
+    saved = SHAPES[name]
+    SHAPES[name] = shape
+    try:
+        yield
+    finally:
+        SHAPES[name] = saved
+
+
+def _extrapolate(first: Trace, steps: list, trace_s: float) -> Trace:
+    """``first`` plus ``n ×`` (trace with one more block of a kind − ``first``) for each ``(n, trace)`` of ``steps``."""
+    def grow(get):
+        return get(first) + sum(n * (get(t) - get(first)) for n, t in steps)
+
+    phases = {name: {k: (round(grow(lambda t: t.phases[name][k])) if k != "trace_s" else v) for k, v in p.items()} for name, p in first.phases.items()}
+    categories = {k: round(grow(lambda t: t.categories.get(k, 0))) for k in first.categories}
+    return dataclasses.replace(first, phases=phases, categories=categories, rollout_flops=grow(lambda t: t.rollout_flops),
+                               train_flops=grow(lambda t: t.train_flops), trace_s=trace_s)
+
+
+def _trace_once(cfg, gpus: int, allocation_unit: int, start: float) -> Trace:
     with _quiet(), _eager_loading(), _local_collectives(), _batched_noise(), tracing.shape_trace(allocation_unit=allocation_unit) as trace:
         sizes = step_recipe(cfg, gpus, trace.phase, lambda adapter: tracing.memoised_forward(adapter, trace))
     phases = trace.phases
