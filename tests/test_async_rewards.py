@@ -96,4 +96,4 @@ def test_async_chunks_must_split_whole_prompt_groups():
     with pytest.raises(ValueError, match=r"reward.async_chunks=3 must divide trainer.prompts_per_step=4.*valid: \[1, 2, 4\]"):
         check_sizes(compose(["trainer.prompts_per_step=4", "reward.async_chunks=3"]))
     with pytest.raises(ValueError, match=r"model.fsdp=false"):
-        check_sizes(compose(["distributed.num_workers=2", "model.fsdp=false", "trainer.prompts_per_step=4"]))
+        check_sizes(compose(["distributed.backend=ray", "distributed.num_workers=2", "model.fsdp=false", "trainer.prompts_per_step=4"]))
