@@ -33,7 +33,7 @@ from diffrl.selection import metric_key
 from diffrl.sampling.schedules import WINDOW_KINDS
 from diffrl.sampling.sde import ODE_SOLVERS, STEP_KINDS
 from pipelines.base import check_adapter_options, family_class, resolve_model_path
-from rewards.base import RewardError, missing_extra, resolve_reward
+from rewards.base import RewardError, missing_extra, registered_names, resolve_reward
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 
@@ -206,13 +206,15 @@ def did_you_mean(word: str, choices: list[str], n: int = 3) -> str:
 def _explain_group(text: str) -> str | None:
     """Hydra's "Could not find 'group/option'" as one line: the option the user typed, the closest options, and the
     group's options without the internal ``schema_*`` ones and without Hydra's search path."""
-    match = re.search(r"Could not find '(\w+)/([^']+)'", text)
+    match = re.search(r"Could not find '(\w+)/([^']*)'", text)
     if not match:
         return None
     group, option = match.groups()
     options = sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml")) if (CONFIG_DIR / group).is_dir() else []
     hint = did_you_mean(option, options)
     listed = f"choose one of: {', '.join(options)}" if len(options) <= 15 or not hint else f"the {len(options)} options are configs/{group}/*.yaml"
+    if group == "reward" and option in registered_names():  # a reward's name where its config group was meant
+        listed += f"; to train on the reward '{option}', set reward.names=[{option}] (reward=<group> picks a group of settings)"
     return f"{group}={option}: no such {group} config{hint}; {listed}"
 
 
@@ -245,6 +247,10 @@ def _explain(exc: Exception, overrides: list[str] | None = None) -> str:
                         f"select its group (algorithm=<name>, or 'override /algorithm: <name>' in a recipe) or drop the key")
             valid = _algorithm_keys(list(overrides or []), full)
             return _unknown_key(full, where, valid, "the algorithm's Config in diffrl/algorithms/")
+        if not parent and (CONFIG_DIR / full).is_dir():  # `shrink=tiny`: an optional group is added with +
+            options = sorted(p.stem for p in (CONFIG_DIR / full).glob("*.yaml"))
+            typed = next((o for o in overrides or [] if o.split("=", 1)[0] == full), f"{full}=<option>")
+            return f"{typed}: {full} is an optional config group, added with a +: +{typed} (options: {', '.join(options)})"
         return _unknown_key(full, where, _valid_keys(parent), "diffrl/config.py and the algorithm's module in diffrl/algorithms/")
     cause = exc.__cause__ or exc.__context__
     if "raised while resolving interpolation" in text and cause is not None:
@@ -257,7 +263,13 @@ def _explain(exc: Exception, overrides: list[str] | None = None) -> str:
         if converted:
             reason = f"it must be {'an' if converted.group(3)[0] in 'AEIOUaeiou' else 'a'} {converted.group(3).lower()}"
         return f"{override.group(1)}={override.group(2)} has the wrong type: {reason} (see diffrl/config.py)"
-    return " ".join((f"invalid configuration: {text}" + (f" ({cause})" if cause else "")).split())
+    return _without_internals(" ".join((f"invalid configuration: {text}" + (f" ({cause})" if cause else "")).split()))
+
+
+def _without_internals(message: str) -> str:
+    """A Hydra message without its search path and the internal ``schema_*`` options (never what a user types)."""
+    message = re.split(r"\s*Config search path:", message)[0]
+    return re.sub(r"\s*\bschema_\w+", "", message).replace("diffrl_schema", "the schema")
 
 
 def _name_from_group(cfg: DictConfig, group: str) -> None:

@@ -195,6 +195,26 @@ def test_a_misspelt_reward_gets_the_closest_names_not_the_registry():
     assert str(info.value).startswith("reward.gold=qqqqzzzz: unknown reward 'qqqqzzzz': none of the") and "docs/rewards.md" in str(info.value)
 
 
+def test_an_empty_group_option_shows_no_hydra_internals():
+    with pytest.raises(ConfigError) as info:
+        compose(["algorithm="])
+    message = str(info.value)
+    assert message.startswith("algorithm=: no such algorithm config; choose one of: awm, dance_grpo"), message
+    assert "schema_" not in message and "search path" not in message
+
+
+def test_a_reward_name_given_as_the_reward_group_names_reward_names():
+    with pytest.raises(ConfigError) as info:
+        compose(["reward=pickscore"])
+    assert str(info.value).endswith("to train on the reward 'pickscore', set reward.names=[pickscore] (reward=<group> picks a group of settings)")
+
+
+def test_an_optional_group_without_its_plus_says_how_to_add_it():
+    with pytest.raises(ConfigError) as info:
+        compose(["experiment=sd35m_geneval_flow_grpo", "shrink=tiny"])
+    assert str(info.value) == "shrink=tiny: shrink is an optional config group, added with a +: +shrink=tiny (options: tiny)"
+
+
 def test_a_derived_values_error_names_the_key_the_user_set():
     with pytest.raises(ConfigError) as info:  # mini_batch_size = ${optimizer_steps:2} derives from the group size
         compose(["experiment=sd35m_pickscore_flow_grpo", "trainer.group_size=0"])
