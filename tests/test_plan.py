@@ -327,16 +327,16 @@ def test_recommendations_start_from_the_peak_phase_and_end_with_the_overrides():
     assert planner.next_step(r) == "closest: a at 90.0 GiB per GPU; try diffrl plan experiment=x sampler.micro_batch_size=8 --gpus 1 --gpu h200"
 
 
-# a narrowed SD3.5-Medium (its three block kinds: 2 dual-attention, 2 plain, the last) and a narrowed FLUX.1 (3 double, 4 single)
+# a narrowed SD3.5-Medium (its three block kinds: 4 dual-attention, 4 plain, the last) and a narrowed FLUX.1 (4 double, 5 single)
 _NARROW = {
-    "sd35_medium": dict(num_layers=5, dual_attention_layers=(0, 1), num_attention_heads=2, attention_head_dim=32, caption_projection_dim=64),
-    "flux_dev": dict(num_layers=3, num_single_layers=4, num_attention_heads=2, attention_head_dim=32, axes_dims_rope=(8, 12, 12)),
+    "sd35_medium": dict(num_layers=9, dual_attention_layers=(0, 1, 2, 3), num_attention_heads=2, attention_head_dim=32, caption_projection_dim=64),
+    "flux_dev": dict(num_layers=4, num_single_layers=5, num_attention_heads=2, attention_head_dim=32, axes_dims_rope=(8, 12, 12)),
 }
 
 
 @pytest.mark.parametrize("name", sorted(_NARROW))
 def test_per_block_trace_equals_the_full_trace(name, monkeypatch):
-    """One block of each kind traced, then one more of each kind, extrapolated to the shape's depth: every phase's peak
+    """Two blocks of each kind traced, then one more of each kind, extrapolated to the shape's depth: every phase's peak
     and remaining bytes, its FLOPs and each category of static bytes within 1 % of the trace of the whole model (LoRA,
     activation checkpointing of every block, CFG, the training micro-batch, a rollout after the update)."""
     from pipelines.base import known_families
@@ -353,7 +353,11 @@ def test_per_block_trace_equals_the_full_trace(name, monkeypatch):
                  "trainer.group_size=2", "model.dtype=bfloat16"]
     cfg, _ = planner.plan_config(overrides, 1)
     full = planner.trace_recipe(cfg, 1, per_block=False)
+    depths = []
+    trace_once = planner._trace_once
+    monkeypatch.setattr(planner, "_trace_once", lambda *a: depths.append(sum(SHAPES[name].block_kinds().values())) or trace_once(*a))
     multiplied = planner.trace_recipe(cfg, 1)
+    assert depths == ({"sd35_medium": [5, 6, 6], "flux_dev": [4, 5, 5]}[name])  # two of each kind, then one more of each
     assert set(multiplied.phases) == set(full.phases)
     for phase, f in full.phases.items():
         for key in ("peak_bytes", "after_bytes", "flops"):
