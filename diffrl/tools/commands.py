@@ -38,6 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 from safetensors.torch import load_file
 
 from diffrl.checkpoint import CheckpointError, checkpoint_adapters, list_checkpoints, write_json_atomic
@@ -64,8 +66,6 @@ _GROUPS = ("experiment", "model", "algorithm", "reward", "sampler")
 # -- the command line (diffrl.tools.cli hands every command here) ------------------------------------------
 def run_train(args) -> int:
     """``diffrl train``: compose, then print the config (``--cfg job``) or plan (GPU runs) and train."""
-    from omegaconf import OmegaConf
-
     cfg = compose(args.overrides)
     if args.cfg == "job":
         print(OmegaConf.to_yaml(cfg), end="", flush=True)
@@ -189,10 +189,6 @@ def newest_checkpoint(run: str | Path) -> Path:
 
 def apply_overrides(cfg, overrides: list[str], source: Path):
     """Dotted ``key=value`` overrides on a saved config (strict: an unknown key is an error naming it)."""
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
-
     for item in overrides:
         key, eq, _ = item.partition("=")
         key = key.lstrip("+~")
@@ -217,10 +213,6 @@ def apply_overrides(cfg, overrides: list[str], source: Path):
 
 def load_config(overrides: list[str], run_config: Path | None):
     """The run's saved config + overrides, or (no run config) the recipe composed like ``diffrl train``."""
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
-
     if run_config is None:
         return compose(overrides)
     stored = upgrade_run_config(OmegaConf.to_container(OmegaConf.load(run_config)))
@@ -305,8 +297,6 @@ def build_workers(source: ModelSource):
 def build_metrics(cfg, names: list[str] | None = None) -> dict:
     """``name -> reward`` exactly as the trainer's ``eval_metrics``: ``reward.names``, ``reward.gold``, then the
     second judges of ``reward.judges``."""
-    from omegaconf import OmegaConf
-
 
     options = OmegaConf.to_container(cfg.reward.options, resolve=True)
     if names is None:
