@@ -60,6 +60,7 @@ from diffrl.distributed import build_worker_group
 from diffrl.distributed.workers import ActorRolloutRefWorker
 from diffrl.engine import sequence_parallel
 from diffrl.engine import trace as tracing
+from diffrl.engine.engine import DiffusionEngine
 from diffrl.engine.flops import DEVICE_PEAK_FLOPS
 from diffrl.recipes import compose, validate
 from diffrl.recipes import check_sizes
@@ -398,10 +399,39 @@ def _extrapolate(first: Trace, steps: list, trace_s: float) -> Trace:
                                train_flops=grow(lambda t: t.train_flops), trace_s=trace_s)
 
 
+@contextlib.contextmanager
+def _optimizer_peaks(trace, out: dict):
+    """Record in ``out`` the bytes live when the engine's optimizer step starts and their peak during it, and the peak of
+    the forwards and backwards before it: FSDP2 shards what the step creates (states, Adam's temporaries) but not the
+    activations, so :func:`per_rank` scales the two parts apart."""
+    original = DiffusionEngine._optimizer_step
+
+    def step(self, *args, **kwargs):
+        out.setdefault("backward_peak", trace.peak)
+        before, trace.peak = trace.peak, trace.current
+        out.setdefault("start", trace.current)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            out["peak"] = max(out.get("peak", 0), trace.peak)
+            trace.peak = max(trace.peak, before)
+
+    DiffusionEngine._optimizer_step = step
+    try:
+        yield
+    finally:
+        DiffusionEngine._optimizer_step = original
+
+
 def _trace_once(cfg, gpus: int, allocation_unit: int, start: float) -> Trace:
-    with _quiet(), _eager_loading(), _local_collectives(), _batched_noise(), tracing.shape_trace(allocation_unit=allocation_unit) as trace:
+    optimizer: dict = {}
+    with _quiet(), _eager_loading(), _local_collectives(), _batched_noise(), tracing.shape_trace(allocation_unit=allocation_unit) as trace, \
+            _optimizer_peaks(trace, optimizer):
         sizes = step_recipe(cfg, gpus, trace.phase, lambda adapter: tracing.memoised_forward(adapter, trace))
     phases = trace.phases
+    if optimizer:
+        phases["train"] = {**phases["train"], "backward_peak_bytes": optimizer["backward_peak"], "optimizer_start_bytes": optimizer["start"],
+                           "optimizer_peak_bytes": optimizer["peak"]}
     rewards, uncounted = reward_bytes(cfg)
     sizes["categories"]["reward_models"] = sum(rewards.values())
     # the traced update ran `trained_samples` trajectories on one trained step; a step runs per_rank on every trained step
@@ -452,6 +482,14 @@ def per_rank(tr: Trace, cfg, gpus: int) -> dict:
         if name == "build":
             continue
         moved = shift
+        if name == "train" and "optimizer_peak_bytes" in p:
+            # forward and backward of a later step, beside the optimizer's states (sharded); the step itself: what it
+            # found shifted like the static state, what it made (states, temporaries) sharded
+            backward = p["backward_peak_bytes"] + moved + c["gradients"] * (keep - 1.0) + c["optimizer"] * keep
+            made = p["optimizer_peak_bytes"] - p["optimizer_start_bytes"]
+            step = p["optimizer_start_bytes"] + moved + c["gradients"] * (keep - 1.0) + made * keep
+            phases[name] = max(0.0, backward, step)
+            continue
         if name == "train":
             moved += c["gradients"] * (keep - 1.0)
         if name == "rollout_after_update":
