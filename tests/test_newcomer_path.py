@@ -273,6 +273,12 @@ def test_cfg_job_prints_the_composed_config_and_builds_nothing(tmp_path, capsys)
     assert not out.exists()
 
 
+def test_a_misspelt_command_gets_the_closest(capsys):
+    assert main(["trian", "trainer.steps=2"]) == 2
+    assert capsys.readouterr().err == ("diffrl: error: no command 'trian' (did you mean 'train'?); commands: train, sample, eval, export-lora, "
+                                       "serve-reward, plan, prompts (diffrl --help)\n")
+
+
 def test_train_help_lists_the_recipes_and_shrink(capsys):
     with pytest.raises(SystemExit) as info:
         main(["train", "--help"])

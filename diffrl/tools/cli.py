@@ -21,6 +21,7 @@ command is given, since it brings torch, diffusers and the models (~5 s).
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import sys
 from pathlib import Path
@@ -93,6 +94,11 @@ def _cfg_first(argv: list[str]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] not in COMMANDS and not argv[0].startswith("-"):  # a misspelt command: the closest, one line
+        close = difflib.get_close_matches(argv[0], list(COMMANDS), n=2, cutoff=0.6)
+        hint = f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
+        print(f"diffrl: error: no command {argv[0]!r}{hint}; commands: {', '.join(COMMANDS)} (diffrl --help)", file=sys.stderr, flush=True)
+        return 2
     train_help = bool(argv) and argv[0] == "train" and any(a in ("-h", "--help") for a in argv)
     if not argv or argv[0] not in COMMANDS or train_help:
         _help_parser().parse_args(argv)  # prints the help or the usage error and exits
