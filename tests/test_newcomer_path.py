@@ -184,6 +184,18 @@ def test_sample_with_a_records_file_keeps_each_prompts_metadata(tmp_path, capsys
     assert [s["metadata"] for s in samples] == [{"k": 7}, {"k": 2}]
 
 
+def test_sample_on_an_editing_run_keeps_the_records_metadata(tmp_path, single_thread):
+    from PIL import Image
+
+    Image.new("RGB", (16, 16), (200, 20, 20)).save(tmp_path / "a.png")
+    records = _jsonl(tmp_path / "edits.jsonl", [{"source": "a.png", "instruction": "make it blue", "metadata": {"k": 3}}])
+    out = tmp_path / "samples"
+    assert main(["sample", "experiment=digits_edit_flow_grpo", "sampler.eval_num_steps=2", "--prompt-file", str(records), "--seeds", "0", "1",
+                 "--rewards", "test_metadata_probe", "--out", str(out)]) == 0
+    samples = json.loads((out / "samples.json").read_text())["samples"]
+    assert [(s["rewards"]["test_metadata_probe"], s["metadata"], s["source"]) for s in samples] == [(3.0, {"k": 3}, "a.png")] * 2
+
+
 # -- 4. errors that name what the user typed -----------------------------------------------------------------
 def test_a_misspelt_reward_gets_the_closest_names_not_the_registry():
     with pytest.raises(ConfigError) as info:
