@@ -367,15 +367,17 @@ def check_backend(dist: DistributedConfig) -> None:
                              "installed: pip install -e '.[ray]'")
 
 
-def check_sizes(cfg: Config | DictConfig) -> None:
-    """Global sizes against workers and mini-batches, before any work: a clear error with valid sizes."""
+def check_sizes(cfg: Config | DictConfig, *, backend: bool = True) -> None:
+    """Global sizes against workers and mini-batches, before any work: a clear error with valid sizes. The backend first
+    (:func:`check_backend`) unless ``backend`` is false (``diffrl plan`` plans N Ray ranks on a machine without Ray)."""
     t, dist, a = cfg.trainer, cfg.distributed, cfg.algorithm
     if t.prompts_per_step < 1 or t.group_size < 1:
         raise ValueError(f"trainer.prompts_per_step and trainer.group_size must be ≥ 1, got {t.prompts_per_step} and {t.group_size}")
     W = int(dist.num_workers)
     if W < 1:
         raise ValueError(f"distributed.num_workers must be ≥ 1, got {W}")
-    check_backend(dist)
+    if backend:
+        check_backend(dist)
     batch = t.prompts_per_step * t.group_size
     mini = a.mini_batch_size or batch
     if batch % mini:
