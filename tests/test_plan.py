@@ -356,7 +356,7 @@ def test_per_block_trace_equals_the_full_trace(name, monkeypatch):
     depths = []
     trace_once = planner._trace_once
     monkeypatch.setattr(planner, "_trace_once", lambda *a: depths.append(sum(SHAPES[name].block_kinds().values())) or trace_once(*a))
-    multiplied = planner.trace_recipe(cfg, 1)
+    multiplied = planner.trace_recipe(cfg, 1, per_block=True)
     assert depths == ({"sd35_medium": [5, 6, 6], "flux_dev": [4, 5, 5]}[name])  # two of each kind, then one more of each
     assert set(multiplied.phases) == set(full.phases)
     for phase, f in full.phases.items():
@@ -367,3 +367,6 @@ def test_per_block_trace_equals_the_full_trace(name, monkeypatch):
     assert multiplied.rollout_flops == pytest.approx(full.rollout_flops, rel=0.01)
     assert multiplied.train_flops == pytest.approx(full.train_flops, rel=0.01)
     assert multiplied.block_bytes == full.block_bytes
+    depths.clear()
+    planner.trace_recipe(cfg, 1)  # by default only where it saves: 17 or 14 blocks traced would not save on 9
+    assert len(depths) == 1

@@ -350,7 +350,7 @@ def _local_collectives():
         dist.all_to_all_single, dist.all_gather = saved
 
 
-def trace_recipe(cfg, gpus: int, *, allocation_unit: int = tracing.ALLOCATION_UNIT, per_block: bool = True) -> Trace:
+def trace_recipe(cfg, gpus: int, *, allocation_unit: int = tracing.ALLOCATION_UNIT, per_block: bool | None = None) -> Trace:
     """Step one rank of the recipe on fake tensors (:func:`step_recipe` under :func:`diffrl.engine.trace.shape_trace`).
 
     At a published shape with ``per_block`` the transformer is traced with two blocks of each kind
@@ -359,16 +359,19 @@ def trace_recipe(cfg, gpus: int, *, allocation_unit: int = tracing.ALLOCATION_UN
     activations and FLOPs add up per block, and the transient of one block's forward or recompute does not grow with
     the depth (``tests/test_plan.py`` compares it with the full trace). Two, not one: with a single block the training
     peak falls elsewhere (Wan2.1-14B's grows by 1.11 GiB from the first block to the second, then 0.85 GiB a block).
-    FLUX.1's 57 blocks are then 3 traces of 4-5."""
+    FLUX.1's 57 blocks are then 3 traces of 4-5. ``per_block=None`` does so when the traces hold under half the
+    blocks of the whole model (not for SD3.5-Medium: its 24 blocks of three kinds would be 3 traces of 5-6, each
+    building the text encoders again; 15 s whole against 18 s per block); True always, False never."""
     start = time.perf_counter()
     name = str((cfg.model.options or {}).get("shape", "tiny"))
     built = PARENT_SHAPES.get(name, name)  # an editing shape builds through its parent's
     spec = SHAPES.get(built) if name not in ("tiny", "local") else None
-    kinds = spec.block_kinds() if spec is not None and per_block else {}
+    kinds = spec.block_kinds() if spec is not None and per_block is not False else {}
     grow = [k for k, n in kinds.items() if n > 2]
-    if not grow:
-        return _trace_once(cfg, gpus, allocation_unit, start)
     base = {k: min(n, 2) for k, n in kinds.items()}  # from the second block on each adds the same (the first's peak differs)
+    traced = sum(base.values()) * (1 + len(grow)) + len(grow)
+    if not grow or (per_block is None and 2 * traced > sum(kinds.values())):
+        return _trace_once(cfg, gpus, allocation_unit, start)
     with _shape_as(built, spec.with_depth(base)):
         first = _trace_once(cfg, gpus, allocation_unit, start)
     steps = []
