@@ -53,7 +53,6 @@ import torch.distributed as dist
 from diffusers.models import modeling_utils
 from omegaconf import OmegaConf, open_dict
 
-from diffrl import recipes
 from diffrl.algorithms import build_algorithm, objectives
 from diffrl.data import run_prompts, step_prompts
 from diffrl.distributed import build_worker_group
@@ -142,24 +141,11 @@ def plan_config(overrides: list[str], gpus: int):
         cfg.distributed.backend = "local"
     cfg = validate(cfg, hub_cache=False)  # nothing is loaded: the plan needs no cached weights
     try:
-        _check_sizes(cfg)
+        check_sizes(cfg, backend=False)  # N Ray ranks planned as one local worker, on a machine that need not have Ray
         sequence_parallel.check_config(cfg.model, cfg.sampler, num_workers=gpus, backend="ray")  # family, heads, tokens
     except ValueError as exc:
         raise PlanError(f"{exc} (planning --gpus {gpus})") from None
     return cfg, shape
-
-
-def _check_sizes(cfg) -> None:
-    """``recipes.check_sizes`` of the N ranks planned, without its backend check: the plan runs them as one local worker
-    (``distributed.backend=local``), where the run would use Ray, which the planning machine need not have."""
-    saved = getattr(recipes, "check_backend", None)
-    if saved is not None:
-        recipes.check_backend = lambda dist: None
-    try:
-        check_sizes(cfg)
-    finally:
-        if saved is not None:
-            recipes.check_backend = saved
 
 
 @dataclass
