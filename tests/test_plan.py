@@ -334,6 +334,7 @@ _NARROW = {
 }
 
 
+@pytest.mark.slow  # 57 s in CI on 2 processes: the slow tier (the full trace of two narrowed published shapes)
 @pytest.mark.parametrize("name", sorted(_NARROW))
 def test_per_block_trace_equals_the_full_trace(name, monkeypatch):
     """Two blocks of each kind traced, then one more of each kind, extrapolated to the shape's depth: every phase's peak
