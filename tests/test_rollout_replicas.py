@@ -213,6 +213,7 @@ def _check_syncs(train: list[dict]) -> None:
     assert train[0]["weight_sync/initial_hash_replicas"] == [train[0]["weight_sync/initial_hash"]]
 
 
+@pytest.mark.ray
 @pytest.mark.ranks
 def test_staleness_0_with_one_replica_reproduces_the_synchronous_run(tmp_path, synchronous_run, ray_cluster):
     expected, final_hash = synchronous_run
@@ -228,6 +229,7 @@ def test_staleness_0_with_one_replica_reproduces_the_synchronous_run(tmp_path, s
     assert train[-1]["weight_sync/hash"] == final_hash[:16]  # the last sync carried the synchronous run's final LoRA
 
 
+@pytest.mark.ray
 @pytest.mark.slow  # Ray actors: the slow tier (staleness 0 stays in the fast tier)
 def test_staleness_1_trains_one_version_behind_with_truncated_weights(tmp_path, synchronous_run, ray_cluster):
     expected, _ = synchronous_run
@@ -245,6 +247,7 @@ def test_staleness_1_trains_one_version_behind_with_truncated_weights(tmp_path, 
     _check_syncs(train)
 
 
+@pytest.mark.ray
 @pytest.mark.slow  # Ray actors: the slow tier (staleness 0 stays in the fast tier)
 def test_staleness_2_with_mini_batches_rescored_by_the_actor(tmp_path, ray_cluster):
     got, proximal = _replica_run(tmp_path, 2, "algorithm.mini_batch_size=4")  # 2 optimizer steps: the proximal policy is re-scored
@@ -259,6 +262,7 @@ def test_staleness_2_with_mini_batches_rescored_by_the_actor(tmp_path, ray_clust
     _check_syncs(train)
 
 
+@pytest.mark.ray
 @pytest.mark.slow  # Ray actors: the slow tier (staleness 0 stays in the fast tier)
 def test_full_fine_tuning_syncs_every_weight_and_matches_the_synchronous_run(tmp_path, ray_cluster):
     full = ("model.lora.rank=0", "algorithm.lr=1e-5", "trainer.steps=2")

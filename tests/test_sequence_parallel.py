@@ -210,6 +210,7 @@ def _train_records(run: Path) -> list[dict]:
     return [{k: v for k, v in r.items() if "time" not in k and "seconds" not in k and not k.startswith("perf/")} for r in lines if r["kind"] == "train"]
 
 
+@pytest.mark.ray
 @pytest.mark.slow  # Ray actors: the slow tier (the gloo parity above is fast)
 def test_ray_sequence_parallel_trains_what_the_local_worker_trains(tmp_path):
     """``distributed.backend=ray distributed.num_workers=2 model.sequence_parallel=2``: one group of two ranks samples,

@@ -57,6 +57,7 @@ def _records(run):
     return [{k: v for k, v in r.items() if not k.startswith(("time", "perf/")) and "seconds" not in k} for r in rows if r["kind"] == "train"]
 
 
+@pytest.mark.ray
 @pytest.mark.slow
 def test_lost_rank_restarts_from_the_newest_checkpoint_or_stops_naming_it(tmp_path, cluster, capsys):
     straight = Trainer(compose(_overrides(tmp_path, tmp_path / "straight")))
@@ -84,6 +85,7 @@ def test_lost_rank_restarts_from_the_newest_checkpoint_or_stops_naming_it(tmp_pa
     assert "\n" not in message and "rank 0" in message and "step_000001" in message and "trainer.max_restarts" in message
 
 
+@pytest.mark.ray
 @pytest.mark.ranks
 def test_a_peers_collective_error_that_comes_first_still_reports_the_dead_rank(cluster):
     """When a rank dies, the live rank's collective fails at once; its error must not hide the cause (a lost
