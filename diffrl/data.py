@@ -47,14 +47,20 @@ def read_rows(path: str | Path) -> list[tuple[int, dict]]:
     if not file.is_file():
         raise FileNotFoundError(f"prompt records {file} do not exist (trainer.prompts: a JSONL file of {{prompt, metadata}} or "
                                 f"{{source, instruction}} rows, or a folder with metadata.jsonl; built-in sets: {', '.join(prompt_set_names())})")
+    return jsonl_rows(file)
+
+
+def jsonl_rows(file: Path) -> list[tuple[int, dict]]:
+    """``(line number, row)`` of an existing JSONL file, blank lines skipped; a line that is not a JSON object is a
+    one-line error naming the file and line."""
     rows = []
-    for i, line in enumerate(file.read_text().splitlines()):
+    for i, line in enumerate(file.read_text(encoding="utf-8").splitlines()):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise ValueError(f"{file}: line {i + 1} is not JSON ({exc.msg})") from exc
+            raise ValueError(f"{file}: line {i + 1} is not JSON ({exc.msg})") from None
         if not isinstance(row, dict):
             raise ValueError(f"{file}: line {i + 1} is not a JSON object")
         rows.append((i + 1, row))

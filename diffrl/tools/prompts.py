@@ -23,6 +23,8 @@ import os
 import re
 from pathlib import Path
 
+from diffrl.data import jsonl_rows
+
 FORMATS = ("geneval", "ocr", "counting-edit")
 _QUOTED = re.compile(r'"([^"]*)"|“([^”]*)”')
 GENEVAL_KEYS = ("tag", "include", "exclude")
@@ -55,21 +57,6 @@ def _input_file(fmt: str, source: Path, split: str) -> Path:
     if not source.is_file():
         raise FileNotFoundError(f"{source} does not exist: give flow_grpo's {fmt} file, or its dataset folder with --split train|test")
     return source
-
-
-def _jsonl(file: Path) -> list[tuple[int, dict]]:
-    rows = []
-    for i, line in enumerate(file.read_text(encoding="utf-8").splitlines()):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{file}: line {i + 1} is not JSON ({exc.msg})") from None
-        if not isinstance(row, dict):
-            raise ValueError(f"{file}: line {i + 1} is not a JSON object")
-        rows.append((i + 1, row))
-    return rows
 
 
 def _geneval_row(file: Path, line: int, row: dict, fmt: str) -> dict:
@@ -108,9 +95,9 @@ def convert(fmt: str, source: str | Path, out: str | Path, *, split: str = "trai
                 raise ValueError(f"{file}: line {i + 1} quotes no text to render ({line.strip()[:80]!r}); OCR prompts put their target in double quotes")
             records.append({"prompt": line.strip(), "metadata": {"text": text}})
     elif fmt == "geneval":
-        records = [{"prompt": row["prompt"], "metadata": _geneval_row(file, line, row, fmt)} for line, row in _jsonl(file)]
+        records = [{"prompt": row["prompt"], "metadata": _geneval_row(file, line, row, fmt)} for line, row in jsonl_rows(file)]
     else:
-        for line, row in _jsonl(file):
+        for line, row in jsonl_rows(file):
             meta = _geneval_row(file, line, row, fmt)
             if "image" not in row:
                 raise ValueError(f"{file}: line {line} lacks image: not a row of flow_grpo's counting_edit set ({{prompt, image, tag, include, exclude}})")
