@@ -4,7 +4,10 @@ A request batch is a TensorDict of the per-sample inputs (``seeds``, ``group_id`
 optionally ``init_seeds`` and an editing model's uint8 ``source_images``) carrying one non-tensor
 :class:`SampleRequest` under :data:`REQUEST_KEY`: the policy, the trained and stochastic steps of an RL rollout
 (an algorithm's ``RolloutPlan``), whether to record the step means, the forward micro-batch, or, for an evaluation,
-the deterministic step count. It is built by :func:`sample_batch` (the trainer's rollouts and evaluations,
+the deterministic step count. A layout whose rows differ within a prompt group (TempFlow-GRPO's branches: row ``j`` of
+every group is stochastic and trained at its own steps) gives ``group_trained`` / ``group_stochastic [G, K]``;
+:func:`sample_batch` turns them into the per-row tensors ``trained_rows`` / ``stochastic_rows [B, K]``, which travel
+(and split across chunks and workers) with the batch. It is built by :func:`sample_batch` (the trainer's rollouts and evaluations,
 ``diffrl sample`` / ``diffrl eval``) and read back whole by the worker (:meth:`SampleRequest.of`).
 """
 
@@ -35,6 +38,10 @@ class SampleRequest:
         micro_batch_size: samples per denoiser forward (None: the whole batch).
         eval_num_steps: a deterministic evaluation with this many steps (the model-precision policy, no trained
             steps); None: an RL rollout with the sampler's settings.
+        group_trained: ``[G, K]`` bool, the trained steps of each position ``j`` in a prompt group of ``G`` rows (row
+            ``j`` of every group); None: every row trains ``trained``.
+        group_stochastic: ``[G, K]`` bool, the stochastic steps of each position (a superset of ``group_trained``);
+            None: ``group_trained``.
     """
 
     policy: str = "current"
@@ -43,12 +50,23 @@ class SampleRequest:
     record_means: bool = False
     micro_batch_size: int | None = None
     eval_num_steps: int | None = None
+    group_trained: torch.Tensor | None = None
+    group_stochastic: torch.Tensor | None = None
 
     def __post_init__(self):
         if self.policy not in POLICIES:
             raise ValueError(f"SampleRequest.policy must be one of {POLICIES}, got {self.policy!r}")
         if self.eval_num_steps is not None and self.eval_num_steps < 1:
             raise ValueError(f"SampleRequest.eval_num_steps must be ≥ 1 (or None for a rollout), got {self.eval_num_steps}")
+        if self.group_stochastic is not None and self.group_trained is None:
+            raise ValueError("SampleRequest.group_stochastic needs group_trained (the per-position trained steps)")
+        if self.group_trained is not None:
+            stochastic = self.group_trained if self.group_stochastic is None else self.group_stochastic
+            if self.group_trained.ndim != 2 or stochastic.shape != self.group_trained.shape:
+                raise ValueError(f"SampleRequest.group_trained / group_stochastic must both be [G, K], got {tuple(self.group_trained.shape)} "
+                                 f"and {tuple(stochastic.shape)}")
+            if bool((self.group_trained.bool() & ~stochastic.bool()).any()):
+                raise ValueError("SampleRequest.group_trained marks a step as trained that group_stochastic does not draw stochastically")
 
     @property
     def evaluation(self) -> bool:
@@ -79,8 +97,29 @@ def sample_batch(prompts: list[str], seeds: list[int], request: SampleRequest, *
         td["source_images"] = source_images
     if init_seeds is not None:
         td["init_seeds"] = torch.as_tensor(list(init_seeds), dtype=torch.long)
+    if request.group_trained is not None:
+        position = positions_in_groups(td["group_id"], request.group_trained.shape[0])
+        stochastic = request.group_trained if request.group_stochastic is None else request.group_stochastic
+        td["trained_rows"], td["stochastic_rows"] = request.group_trained.bool()[position], stochastic.bool()[position]
     td.set_non_tensor(REQUEST_KEY, request)
     return td
+
+
+def positions_in_groups(group_id: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``[B]`` each row's position in its group, in the order the rows come (0 … ``group_size`` − 1).
+
+    Raises:
+        ValueError: a group that does not hold exactly ``group_size`` rows.
+    """
+    position = torch.empty_like(group_id)
+    seen: dict[int, int] = {}
+    for row, g in enumerate(group_id.tolist()):
+        position[row] = seen.get(g, 0)
+        seen[g] = int(position[row]) + 1
+    sizes = sorted(set(seen.values()))
+    if sizes != [group_size]:
+        raise ValueError(f"a per-position layout of groups of {group_size} rows got groups of {sizes} rows (group_id {group_id.tolist()})")
+    return position
 
 
 def run_request(adapter, settings: SamplerConfig, batch: TensorDict) -> TensorDict:
@@ -93,10 +132,13 @@ def run_request(adapter, settings: SamplerConfig, batch: TensorDict) -> TensorDi
     common = dict(seeds=batch["seeds"].tolist(), group_id=batch["group_id"], micro_batch_size=request.micro_batch_size, source_images=sources)
     if request.evaluation:
         return sample_trajectories(adapter, prompts, settings=deterministic_settings(settings, adapter.prediction_type, request.eval_num_steps), **common)
+    keys = set(batch.keys())
+    per_row = "trained_rows" in keys  # a layout that differs by row (SampleRequest.group_trained)
     return sample_trajectories(
-        adapter, prompts, settings=settings, sde_mask=request.trained, stochastic_mask=request.stochastic, record_means=request.record_means,
-        init_seeds=batch["init_seeds"].tolist() if "init_seeds" in batch.keys() else None, **common,
+        adapter, prompts, settings=settings, sde_mask=batch["trained_rows"] if per_row else request.trained,
+        stochastic_mask=batch["stochastic_rows"] if per_row else request.stochastic, record_means=request.record_means,
+        init_seeds=batch["init_seeds"].tolist() if "init_seeds" in keys else None, **common,
     )
 
 
-__all__ = ["POLICIES", "REQUEST_KEY", "SampleRequest", "run_request", "sample_batch"]
+__all__ = ["POLICIES", "REQUEST_KEY", "SampleRequest", "positions_in_groups", "run_request", "sample_batch"]

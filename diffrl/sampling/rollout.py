@@ -1,7 +1,8 @@
 """Batched sampling of trajectories from a model adapter.
 
 One ``predict()`` per step on the whole batch (CFG batched inside the adapter), the step function
-of ``diffrl.sampling.sde`` chosen per step by the ``sde_mask`` (stochastic where trained, ODE elsewhere), and
+of ``diffrl.sampling.sde`` chosen per step by the ``sde_mask`` (stochastic where trained, ODE elsewhere; per row when the
+masks are ``[B, K]``: the rows of a step split into a stochastic and an ODE part), and
 one ``torch.Generator`` per sample seeded from ``(seed, step, prompt position, index in group)``
 (``diffrl.sampling.seeding``),
 so a sample's noise is the same whatever batch it is drawn in and a resumed run redraws it exactly.
@@ -33,12 +34,37 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
 
 
 def _trained_rows(settings: SamplerConfig, sde_mask: torch.Tensor, seeds: list[int]) -> torch.Tensor:
-    """``[B, K]`` trained steps: ``sde_mask`` for every sample, or with ``sampler.window=random_per_sample`` (DanceGRPO) each
-    sample's own ``per_sample_count`` of them (:func:`~diffrl.sampling.schedules.per_sample_trained`)."""
+    """``[B, K]`` trained steps: a per-row ``sde_mask [B, K]`` as given, ``sde_mask [K]`` for every sample, or with
+    ``sampler.window=random_per_sample`` (DanceGRPO) each sample's own ``per_sample_count`` of them
+    (:func:`~diffrl.sampling.schedules.per_sample_trained`)."""
+    if sde_mask.ndim == 2:
+        return sde_mask.bool().clone()
     if getattr(settings, "window", "all") == "random_per_sample" and bool(sde_mask.any()):
         count = per_sample_count(int(sde_mask.sum()), settings.timestep_fraction)
         return per_sample_trained(sde_mask, count, seeds)
     return sde_mask.unsqueeze(0).expand(len(seeds), -1).clone()
+
+
+def _step_rows(settings: SamplerConfig, stochastic: torch.Tensor, model_output, x, sigma: float, sigma_next: float, gens, history, step: dict):
+    """One denoising step of a micro-batch whose rows ``stochastic [b]`` take ``settings.kind`` and the others
+    ``settings.ode_solver``: ``(prev_sample, log_prob [b], mean)``. All rows of one kind run as one call; mixed rows run
+    as two calls on the row subsets, each row drawing from its own generator."""
+    deterministic = is_deterministic(settings.kind, settings.noise_level)
+    if deterministic or bool(stochastic.all()) or not bool(stochastic.any()):
+        kind = settings.kind if deterministic or bool(stochastic[0]) else settings.ode_solver
+        out = run_step(kind, model_output, x, sigma, sigma_next, generator=gens, history=history, **step)
+        return out.prev_sample, out.log_prob, out.mean
+    prev = torch.empty_like(x)
+    log_prob = torch.zeros(x.shape[0], dtype=torch.float32, device=x.device)
+    mean = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    for kind, rows in ((settings.kind, stochastic), (settings.ode_solver, ~stochastic)):
+        index = rows.nonzero().squeeze(1)
+        sub_gens = [gens[i] for i in index.tolist()] if isinstance(gens, list) else gens
+        index = index.to(x.device)
+        sub_history = None if history is None else (history[0][index], history[1])
+        out = run_step(kind, model_output[index], x[index], sigma, sigma_next, generator=sub_gens, history=sub_history, **step)
+        prev[index], log_prob[index], mean[index] = out.prev_sample.to(prev.dtype), out.log_prob.float(), out.mean.float()
+    return prev, log_prob, mean
 
 
 @torch.no_grad()
@@ -64,10 +90,11 @@ def sample_trajectories(
         settings: the sampler config (``num_steps``, ``kind``, ``noise_level``, ``ode_solver``, ``clip_sample``,
             ``guidance_scale``, ``shift``, ``height``, ``width``).
         seeds: ``B`` per-sample generator seeds (``diffrl.sampling.seeding``, stream ``ROLLOUT``).
-        sde_mask: ``[K]`` bool, the trained steps (stochastic, log-probs recorded); default all steps
-            (none when the step kind is deterministic).
-        stochastic_mask: ``[K]`` bool, steps drawn with ``settings.kind`` (a superset of
-            ``sde_mask``; the others use ``settings.ode_solver``); default ``sde_mask``.
+        sde_mask: ``[K]`` bool, the trained steps (stochastic, log-probs recorded), or ``[B, K]``: each row its own;
+            default all steps (none when the step kind is deterministic).
+        stochastic_mask: ``[K]`` or ``[B, K]`` bool, steps drawn with ``settings.kind`` (a superset of
+            ``sde_mask``; the others use ``settings.ode_solver``); default ``sde_mask``. A row's noise comes from its own
+            generator at its own stochastic steps only, so a row samples the same whatever rows share its batch.
         init_seeds: ``B`` seeds of the initial noise (equal within a group for shared initial noise);
             default: the initial noise is the first draw of each sample's own generator.
         group_id: ``[B]`` group of each sample (default: one group per distinct prompt position).
@@ -97,14 +124,20 @@ def sample_trajectories(
         sde_mask = torch.full((K,), not deterministic, dtype=torch.bool)
     if stochastic_mask is None:
         stochastic_mask = sde_mask
+    B = len(prompts)
     for name, mask in (("sde_mask", sde_mask), ("stochastic_mask", stochastic_mask)):
-        if mask.shape != (K,):
-            raise ValueError(f"{name} must have shape [{K}], got {tuple(mask.shape)}")
+        if mask.shape not in ((K,), (B, K)):
+            raise ValueError(f"{name} must have shape [{K}] or [{B}, {K}] (per row), got {tuple(mask.shape)}")
+    sde_mask, stochastic_mask = sde_mask.bool(), stochastic_mask.bool()
     if bool((sde_mask & ~stochastic_mask).any()):
         raise ValueError("sde_mask marks a step as trained that is not stochastic (not in stochastic_mask)")
     if deterministic and bool(sde_mask.any()):
         raise ValueError(f"step kind {settings.kind!r} at noise_level {settings.noise_level} is deterministic: no step can be trained")
-    B = len(prompts)
+    if sde_mask.ndim == 2 and getattr(settings, "window", "all") == "random_per_sample":
+        raise ValueError("per-row trained steps (sde_mask [B, K]) and sampler.window=random_per_sample both choose each row's "
+                         "steps; use sampler.window=all with per-row masks")
+    # [B, K]: the step kind of each row at each step (deterministic kinds everywhere)
+    stochastic_rows = stochastic_mask.expand(B, K) if not deterministic else torch.ones(B, K, dtype=torch.bool)
     mb = micro_batch_size or B
     device = adapter.device
     prediction_type = getattr(adapter, "prediction_type", "flow")
@@ -126,7 +159,6 @@ def sample_trajectories(
     cond = encoded[torch.tensor([unique.index(key) for key in keys])]
     if group_id is None:
         group_id = torch.tensor([unique.index(key) for key in keys], dtype=torch.long)
-    kinds = [settings.kind if deterministic or bool(stochastic_mask[k]) else settings.ode_solver for k in range(K)]
 
     all_latents, all_log_probs, all_images, all_means = [], [], [], []
     for start in range(0, B, mb):
@@ -136,21 +168,24 @@ def sample_trajectories(
         shape = (sl.stop - sl.start, *adapter.latent_shape(settings.height, settings.width))
         x = randn_per_sample(shape, gens if init_seeds is None else make_generators(init_seeds[sl]), device)
         latents, log_probs, means, history = [x], [], [], None
+        rows_stochastic = stochastic_rows[sl]
         for k in range(K):
             # sigmas live on the host: filling the device tensor needs no copy, so the loop never waits on the GPU
             sigma = torch.full((x.shape[0],), sigmas[k].item(), dtype=torch.float32, device=device)
             out_model = adapter.predict(x, sigma, c, settings.guidance_scale)
-            out = run_step(
-                kinds[k], out_model, x, sigmas[k].item(), sigmas[k + 1].item(), noise_level=settings.noise_level,
-                prediction_type=prediction_type, generator=gens, history=history, clip_sample=settings.clip_sample,
-            )
-            if prediction_type == "flow" and "dpm2" in kinds[k + 1 :]:  # x̂0 for the multistep solver's next step
+            step = dict(noise_level=settings.noise_level, prediction_type=prediction_type, clip_sample=settings.clip_sample)
+            prev, log_prob, mean = _step_rows(settings, rows_stochastic[:, k], out_model, x, sigmas[k].item(), sigmas[k + 1].item(), gens, history, step)
+            if deterministic:  # x̂0 for the multistep solver's next step
+                needs_history = settings.kind == "dpm2" and k + 1 < K
+            else:
+                needs_history = settings.ode_solver == "dpm2" and bool((~rows_stochastic[:, k + 1 :]).any())
+            if prediction_type == "flow" and needs_history:
                 history = (x.float() - sigmas[k].item() * out_model.float(), sigmas[k].item())
-            x = out.prev_sample
+            x = prev
             latents.append(x)
-            log_probs.append(out.log_prob)
+            log_probs.append(log_prob)
             if record_means:
-                means.append(out.mean.float().cpu())
+                means.append(mean.float().cpu())
         all_latents.append(_to_host(torch.stack(latents, 1).float()))
         all_log_probs.append(_to_host(torch.stack(log_probs, 1).float()))
         all_images.append(uint8_images(adapter.decode(x)).cpu())  # a blocking copy: the copies above have landed too
