@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from diffrl.algorithms import ALGORITHMS, algorithm_class, check_config, group_class
+from diffrl.algorithms import ALGORITHMS, Algorithm, Pairs, algorithm_class, check_config, group_class, registered_where
 from diffrl.algorithms.policy_gradient import PolicyGradientConfig
 from diffrl.config import MOVED_KEYS, Check, DistributedConfig, EvalConfig, ModelConfig, RewardConfig, SamplerConfig, TrainerConfig, eval_metric_names
 from diffrl.data import prompt_texts
@@ -431,26 +431,29 @@ def check_sizes(cfg: Config | DictConfig, *, backend: bool = True) -> None:
         raise ValueError(f"reward.async_chunks={C} with distributed.max_staleness={k}: off-policy rollouts already overlap rewards with sampling; set reward.async_chunks=1")
 
 
-def check_algorithm(cfg: Config | DictConfig, algorithm) -> bool:
-    """The run's settings against what its algorithm's objective supports, before any work: off-policy rollouts
-    (replicas with staleness, FP8 rollouts) need a loss that corrects them; replicas cannot sync a full
-    fine-tune's old policy; offline DPO pairs have no source images for an editing family. Returns whether the
-    rollouts sample another policy (FP8) that the loss corrects."""
+def check_algorithm(cfg: Config | DictConfig, algorithm: Algorithm) -> bool:
+    """The run's settings against what its algorithm's objective declares (``algorithm.spec``, an
+    :class:`~diffrl.algorithms.ObjectiveSpec`), before any work: off-policy rollouts (replicas with staleness, FP8
+    rollouts) need an objective that corrects them; replicas cannot sync a full fine-tune's old policy; offline
+    preference pairs have no source images for an editing family. Returns whether the rollouts sample another policy
+    (FP8) that the objective corrects."""
     d, m = cfg.distributed, cfg.model
-    objective = algorithm.objective()
-    corrects = bool(getattr(objective, "rollout_correction", False))  # its loss weights behaviour log-probs by truncated IS
+    spec = algorithm.spec
+    corrects = spec.corrects_off_policy  # its loss weights behaviour log-probs by truncated IS
+    used = algorithm.name if spec.name == algorithm.name else f"{algorithm.name} (loss {spec.name})"
     if d.max_staleness and not corrects:
-        used = " ".join(filter(None, [algorithm.name, getattr(objective, "loss_name", None)]))
-        raise ValueError(f"distributed.max_staleness={d.max_staleness} needs a loss that corrects off-policy rollouts (algorithm.trainer=policy_gradient "
-                         f"with algorithm.loss=flow_grpo or ddpo), not {used}; set distributed.max_staleness=0")
-    if m.rollout_precision != "model" and getattr(objective, "loss_name", None) and not corrects:
+        able = ", ".join(registered_where(lambda s: s.corrects_off_policy, algorithm.run)) or "none is registered"
+        raise ValueError(f"distributed.max_staleness={d.max_staleness} needs a loss that corrects off-policy rollouts by truncated importance "
+                         f"weights (registered, at their defaults: {able}), not {used}; set distributed.max_staleness=0")
+    if m.rollout_precision != "model" and not corrects:
+        able = ", ".join(registered_where(lambda s: s.corrects_off_policy, algorithm.run)) or "none is registered"
         raise ValueError(f"model.rollout_precision={m.rollout_precision} samples with another policy than the trained one, and "
-                         f"{algorithm.name}'s loss {objective.loss_name} does not correct that (its log-probs need truncated importance "
-                         "weights: flow_grpo or ddpo); set model.rollout_precision=model")
-    if d.rollout_replicas and m.lora.rank == 0 and algorithm.needs_old_policy:
+                         f"{algorithm.name}'s loss {spec.name} does not correct that (its log-probs need truncated importance "
+                         f"weights: {able}); set model.rollout_precision=model")
+    if d.rollout_replicas and m.lora.rank == 0 and spec.old_policy:
         raise ValueError(f"distributed.rollout_replicas={d.rollout_replicas} with full fine-tuning (model.lora.rank=0) cannot sync {algorithm.name}'s "
                          "old policy (a frozen copy on the actor); train a LoRA or set distributed.rollout_replicas=0")
-    if getattr(algorithm.config, "preference_pairs", None) and getattr(family_class(m.family), "editing", False):
+    if spec.pairs is Pairs.OFFLINE and getattr(family_class(m.family), "editing", False):
         raise ValueError(f"algorithm.preference_pairs (offline DPO pairs) has no source images, and model family {m.family!r} edits images; "
                          "train it with online pairs (unset algorithm.preference_pairs) or another algorithm")
     return m.rollout_precision != "model" and corrects

@@ -54,11 +54,12 @@ def window_masks(window: TrainingWindow, step: int):
 def rollout_request(cfg: Config, algorithm: Algorithm, step_prompts: list, masks, step: int) -> TensorDict:
     """RL step ``step``'s rollout request: per-sample seeds (stream ``ROLLOUT``), groups of
     ``trainer.group_size``, the prompts and the algorithm's :class:`~diffrl.algorithms.RolloutPlan` (for the
-    window's ``masks``) as non-tensor flags."""
+    window's ``masks``) with its objective's declared ``record_means`` (``Algorithm.rollout_request``) as non-tensor
+    flags."""
     t = cfg.trainer
     prompts, sources = split_prompts(step_prompts)
     G = t.group_size
-    request = algorithm.rollout_plan(masks).request(int(cfg.sampler.micro_batch_size) if cfg.sampler.micro_batch_size else None)
+    request = algorithm.rollout_request(masks, int(cfg.sampler.micro_batch_size) if cfg.sampler.micro_batch_size else None)
     return sample_batch(
         [p for p in prompts for _ in range(G)], [derive(t.seed, Stream.ROLLOUT, step, j, s) for j in range(len(prompts)) for s in range(G)], request,
         group_id=torch.arange(len(prompts)).repeat_interleave(G), source_images=None if sources is None else sources.repeat_interleave(G, dim=0),

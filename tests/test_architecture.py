@@ -4,6 +4,7 @@ way, the plug-in packages reached only through their protocols, and no project i
 from __future__ import annotations
 
 import ast
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -164,3 +165,57 @@ def test_every_diffrl_module_has_a_layer_and_the_docs_draw_them_in_order():
     assert None not in layers, dict(zip(named, layers))
     assert layers == sorted(layers), f"the drawing's order differs from LAYERS: {list(zip(named, layers))}"
     assert set(layers) == set(range(len(LAYERS))), f"layers missing from the drawing: {sorted(set(range(len(LAYERS))) - set(layers))}"
+
+
+
+# what an objective declares, and the attributes it was once probed for before the contract was a type
+PROBED_NAMES = {"loss_fn", "objective", "algorithm", "spec"}
+LEGACY_PROBES = {"needs_reference", "reference_policy", "micro_losses", "prepare_batch", "rollout_correction", "loss_name",
+                 "preference_pairs", "needs_old_policy", "record_means"}
+
+
+def _probes(tree: ast.AST, fields: set[str]) -> list[ast.Call]:
+    """``getattr``/``hasattr`` calls whose first argument mentions one of ``PROBED_NAMES`` (a name or an attribute of the
+    expression) or whose attribute name is one of ``fields``."""
+    found = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr") and node.args):
+            continue
+        owner = {n.id for n in ast.walk(node.args[0]) if isinstance(n, ast.Name)} | {n.attr for n in ast.walk(node.args[0]) if isinstance(n, ast.Attribute)}
+        name = node.args[1].value if len(node.args) > 1 and isinstance(node.args[1], ast.Constant) else None
+        if owner & PROBED_NAMES or name in fields:
+            found.append(node)
+    return found
+
+
+def _contract_fields() -> set[str]:
+    from diffrl.algorithms import ObjectiveSpec
+
+    return {f.name for f in dataclasses.fields(ObjectiveSpec)} - {"name"} | LEGACY_PROBES  # "name": any object's
+
+
+def test_no_probe_of_an_objective_outside_the_algorithms():
+    """The engine, the rollout driver and the run's checks read an objective's declared ``ObjectiveSpec``
+    (``diffrl/engine/objective.py``); none asks an objective or an algorithm ``getattr``/``hasattr`` (:func:`_probes`)."""
+    fields = _contract_fields()
+    offenders = []
+    for mod, path in _modules().items():
+        if mod.startswith("diffrl.algorithms") or not mod.startswith("diffrl"):
+            continue
+        offenders += [(mod, node.lineno, ast.unparse(node)) for node in _probes(ast.parse(path.read_text(encoding="utf-8")), fields)]
+    assert not offenders, f"probes of an objective's attributes (declare them in its ObjectiveSpec and read the field): {offenders}"
+
+
+def test_the_probe_scan_sees_a_probe():
+    """The scan finds the probes it is for, and passes the engine's own lookups (a guard against a scan that matches nothing)."""
+    source = """
+def f(loss_fn, algorithm, x, module):
+    getattr(loss_fn, "prepare_batch", None)
+    hasattr(algorithm.config, "preference_pairs")
+    getattr(x, "record_means", False)
+    getattr(self.objective, "anything")
+    getattr(module, "peft_config", {})
+"""
+    found = [ast.unparse(call) for call in _probes(ast.parse(source), _contract_fields())]
+    assert found == ["getattr(loss_fn, 'prepare_batch', None)", "hasattr(algorithm.config, 'preference_pairs')",
+                     "getattr(x, 'record_means', False)", "getattr(self.objective, 'anything')"], found

@@ -105,7 +105,7 @@ def test_registered_with_its_own_keys_and_one_line_errors(tmp_path, capsys):
     algorithm = build_algorithm(cfg.algorithm, run_context(cfg))
     assert type(algorithm).__name__ == "FlowDPPO" and algorithm.objective().threshold == 1e-6
     plan = algorithm.rollout_plan(type("M", (), {"trained": torch.ones(3, dtype=torch.bool), "stochastic": torch.ones(3, dtype=torch.bool)})())
-    assert plan.record_means and plan.policy == "current"
+    assert algorithm.spec.record_means and plan.policy == "current"
     with pytest.raises(ConfigError, match="belongs to another algorithm"):
         compose(["experiment=digits_flow_dppo", "algorithm.clip_range=0.1"])  # Flow-GRPO's clip has no place here
     assert main(["train", "experiment=digits_flow_dppo", "algorithm.kl_mask_threshold=0", f"trainer.output_dir={tmp_path / 'r'}"]) == 2

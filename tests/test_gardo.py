@@ -14,7 +14,7 @@ from tensordict import TensorDict
 from test_algorithms import _trajectories, assert_micro_batch_invariant
 
 from diffrl.algorithms import ALGORITHMS, build_algorithm
-from diffrl.algorithms.base import RunContext
+from diffrl.algorithms.base import OLD, RunContext
 from diffrl.algorithms.gardo import (GARDOConfig, GARDOStepLoss, diversity_advantages, gardo_loss, gate, nearest_cosine_distance, ranks,
                                      uncertainty)
 from diffrl.algorithms.losses import flow_grpo_loss, make_step_loss
@@ -75,7 +75,7 @@ def test_loss_on_a_hand_computed_batch():
 def test_kl_against_the_old_adapter_and_micro_batch_invariance(tiny_adapter):
     """The reference of GARDO's KL is the old adapter (old ≠ current ≠ base in the engine of the helper); 8 micro-batches
     of 1 give the gradient of one batch of 8 with half the rows gated."""
-    assert GARDOStepLoss(clip_range=0.2, kl_beta=0.1, kl_dt_scale=False).reference_policy == "old"
+    assert GARDOStepLoss(clip_range=0.2, kl_beta=0.1, kl_dt_scale=False).spec.reference == OLD
     batch = _trajectories(tiny_adapter)
     batch["gate_weight"] = torch.tensor([2.0, 0.0, 2.0, 0.0, 0.0, 2.0, 0.0, 2.0])
     out_whole, out_split = assert_micro_batch_invariant(GARDOStepLoss(clip_range=0.2, kl_beta=0.5, kl_dt_scale=False), batch)

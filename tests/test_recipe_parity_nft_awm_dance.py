@@ -81,6 +81,8 @@ class Engine:
 
     _pieces = DiffusionEngine._pieces
     _per_row_step_pieces = DiffusionEngine._per_row_step_pieces
+    _step_outputs = DiffusionEngine._step_outputs
+    reference_policy = DiffusionEngine.reference_policy
     _score_step = DiffusionEngine._score_step
     _trained_steps = DiffusionEngine._trained_steps
 

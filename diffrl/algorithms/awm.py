@@ -29,7 +29,7 @@ import torch
 from tensordict import TensorDict
 
 from diffrl.algorithms.awm_loss import AWM_WEIGHTINGS, awm_loss
-from diffrl.algorithms.base import RolloutPlan, StepResult, register_algorithm, sample_only_plan
+from diffrl.algorithms.base import BASE, Granularity, MicroBatchObjective, ObjectiveSpec, RolloutPlan, StepResult, register_algorithm, sample_only_plan
 from diffrl.algorithms.objectives import renoised_clean_samples
 from diffrl.algorithms.policy_gradient import GroupAdvantageAlgorithm
 from diffrl.config import AlgorithmConfig, Check, at_least, between, one_of, positive
@@ -84,18 +84,18 @@ def stratified_levels(sigmas: torch.Tensor, n: int, fraction: float, gen: torch.
     return sigmas[lower + (u * (upper - lower)).long()]
 
 
-class AWMObjective:
+class AWMObjective(MicroBatchObjective):
     """The AWM loss on the clean samples ``latents[:, -1]`` with ``batch["advantages"]``; velocity KL to the
-    reference (adapters disabled) when ``kl_beta > 0``, to the ``old`` policy (the EMA) when ``ema_beta > 0``."""
-
-    loss_name = "awm"
+    reference (adapters disabled) when ``kl_beta > 0``, to the ``old`` policy (the EMA) when ``ema_beta > 0``. Its spec:
+    pieces per micro-batch, the base reference when ``kl_beta > 0``, the old policy when ``ema_beta > 0``."""
 
     def __init__(self, *, weighting: str, ghuber_power: float, num_timesteps: int, adv_clip_max: float, kl_beta: float,
                  timestep_sampling: str, timestep_fraction: float, advantage_max: float, ema_beta: float):
+        super().__init__(ObjectiveSpec(name="awm", granularity=Granularity.MICRO_BATCH, reference=BASE if kl_beta > 0 else None,
+                                       old_policy=ema_beta > 0))
         self.weighting, self.ghuber_power, self.num_timesteps = weighting, ghuber_power, num_timesteps
         self.adv_clip_max, self.kl_beta, self.advantage_max, self.ema_beta = adv_clip_max, kl_beta, advantage_max, ema_beta
         self.timestep_sampling, self.timestep_fraction = timestep_sampling, timestep_fraction
-        self.needs_reference = kl_beta > 0
 
     def levels(self, micro: TensorDict, seed: int) -> torch.Tensor | None:
         """``[n, B]`` noise levels of the stratified draw (one draw per micro-batch, seeded by ``seed`` and the micro-batch's
@@ -110,10 +110,10 @@ class AWMObjective:
         guidance, advantages = engine.sampler.guidance_scale, micro["advantages"].to(engine.adapter.device)
         for piece in renoised_clean_samples(engine, micro, seed, self.num_timesteps, "awm", levels=self.levels(micro, seed)):
             v_ref = v_ema = None
-            if self.needs_reference:
-                with torch.no_grad(), engine.reference() as ref:
+            if self.spec.reference is not None:
+                with torch.no_grad(), engine.reference_policy(self.spec.reference) as ref:
                     v_ref = ref.predict(piece.x_t, piece.sigma, piece.cond, guidance)
-            if self.ema_beta > 0:
+            if self.spec.old_policy:  # the EMA anchor (ema_beta > 0)
                 with torch.no_grad(), engine.old_policy() as old:
                     v_ema = old.predict(piece.x_t, piece.sigma, piece.cond, guidance)
             v_theta = engine.adapter.predict(piece.x_t, piece.sigma, piece.cond, guidance)
@@ -134,10 +134,6 @@ def ema_decay(step: int, max_decay: float) -> float:
 class AWM(GroupAdvantageAlgorithm):
     Config = AWMConfig
 
-    def __init__(self, config: AWMConfig, run):
-        super().__init__(config, run)
-        self.needs_old_policy = config.awm_ema_beta > 0  # the EMA anchor lives in the old adapter
-
     def validate(self, num_workers: int) -> None:
         if self.config.awm_weighting not in AWM_WEIGHTINGS:
             raise ValueError(f"unknown algorithm.awm_weighting {self.config.awm_weighting!r}; choose one of {AWM_WEIGHTINGS}")
@@ -150,7 +146,7 @@ class AWM(GroupAdvantageAlgorithm):
                              f"{self.run.sampler.num_steps} leaves no step to draw from (steps 1 … int(K·fraction) − 1)")
         super().validate(num_workers)
 
-    def objective(self):
+    def objective(self) -> AWMObjective:
         a = self.config
         return AWMObjective(weighting=a.awm_weighting, ghuber_power=a.awm_ghuber_power, num_timesteps=a.awm_num_timesteps, adv_clip_max=a.adv_clip_max,
                             kl_beta=a.kl_beta, timestep_sampling=a.awm_timestep_sampling, timestep_fraction=a.awm_timestep_fraction,

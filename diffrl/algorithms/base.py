@@ -3,7 +3,14 @@
 An algorithm decides what one RL step does between the rollout request and the weight sync: which policy
 samples and which steps are stochastic / trained (:meth:`Algorithm.rollout_plan`), what objective the
 workers train (:meth:`Algorithm.objective`), and how rewards become an update (:meth:`Algorithm.update`,
-through the typed worker group). Each algorithm owns a ``Config`` dataclass (extending
+through the typed worker group).
+
+The objective declares what it needs as a type, not as attributes to probe: an :class:`Objective`
+(:class:`StepObjective` per trained step, or :class:`MicroBatchObjective` in pieces per micro-batch) carrying a frozen
+:class:`ObjectiveSpec` (its reference policy, granularity, whole-batch preparation, off-policy correction, recorded step
+means, old policy, preference pairs). The engine, the rollout request and the run's checks read those fields
+(:attr:`Algorithm.spec`); the contract is defined beside the engine (``diffrl.engine.objective``, the lowest layer
+that reads it) and re-exported here. Each algorithm owns a ``Config`` dataclass (extending
 ``diffrl.config.AlgorithmConfig``, with ``name`` and ``trainer`` defaulting to its own): it is the schema of its yaml
 group ``configs/algorithm/<name>.yaml`` (``defaults: [schema_<registry name>]`` and only the values that differ), so
 an algorithm's keys need no edit anywhere else and another algorithm's keys are refused.
@@ -11,9 +18,10 @@ an algorithm's keys need no edit anywhere else and another algorithm's keys are 
 The registry maps ``algorithm.trainer`` names to classes (``@register_algorithm("nft")``). Nothing outside
 the registry and the class itself tests an algorithm's name: the trainer asks the class.
 
-Adding an algorithm: one module under ``diffrl/algorithms/`` (its ``Config``, its objective, its
-``update``), imported in ``diffrl/algorithms/__init__.py``, a recipe ``configs/experiment/digits_<name>.yaml``
-and a test (``docs/algorithms.md``, "Adding an algorithm").
+Adding an algorithm: one module under ``diffrl/algorithms/`` (its ``Config``, its objective with its spec, its
+``update``; the package imports every module of it, so it registers without another edit), its yaml group
+``configs/algorithm/<name>.yaml``, a recipe ``configs/experiment/digits_<name>.yaml`` and a test
+(``docs/algorithms.md``, "Adding an algorithm").
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any, ClassVar, Protocol
 
 import torch
@@ -28,6 +37,18 @@ from omegaconf import OmegaConf
 from tensordict import TensorDict
 
 from diffrl.config import AlgorithmConfig, SamplerConfig
+from diffrl.engine.objective import (
+    BASE,
+    OLD,
+    Granularity,
+    MicroBatchObjective,
+    Objective,
+    ObjectiveSpec,
+    OffPolicy,
+    Pairs,
+    Reference,
+    StepObjective,
+)
 from diffrl.sampling.request import SampleRequest
 from diffrl.sampling.schedules import WindowMasks
 from diffrl.sampling.sde import is_deterministic
@@ -38,21 +59,23 @@ from diffrl.sampling.seeding import Stream, derive, generator
 class RolloutPlan:
     """What an RL step asks of the rollout.
 
+    Whether the rollout records each step's transition mean is the objective's (``ObjectiveSpec.record_means``),
+    given to :meth:`request`.
+
     Attributes:
         policy: ``current`` (the trained policy) or ``old`` (DiffusionNFT's sampling policy).
         trained: ``[K]`` steps whose log-probs are trained (a subset of ``stochastic``).
         stochastic: ``[K]`` steps drawn with the sampler's stochastic kind (others with the ODE solver).
-        record_means: also record each step's transition mean (GRPO-Guard's RatioNorm).
     """
 
     policy: str
     trained: torch.Tensor
     stochastic: torch.Tensor
-    record_means: bool = False
 
-    def request(self, micro_batch_size: int | None = None) -> SampleRequest:
-        """The worker's typed :class:`~diffrl.sampling.request.SampleRequest` of this plan."""
-        return SampleRequest(policy=self.policy, trained=self.trained, stochastic=self.stochastic, record_means=self.record_means,
+    def request(self, micro_batch_size: int | None = None, *, record_means: bool = False) -> SampleRequest:
+        """The worker's typed :class:`~diffrl.sampling.request.SampleRequest` of this plan (``record_means``: the
+        objective's ``spec.record_means``)."""
+        return SampleRequest(policy=self.policy, trained=self.trained, stochastic=self.stochastic, record_means=record_means,
                              micro_batch_size=micro_batch_size)
 
 
@@ -96,8 +119,6 @@ class Algorithm(abc.ABC):
 
     name: ClassVar[str]
     Config: ClassVar[type[AlgorithmConfig]] = AlgorithmConfig
-    needs_old_policy: ClassVar[bool] = False
-    """the engine keeps an ``old`` policy (a second adapter / frozen copy) from the start"""
 
     def __init__(self, config: AlgorithmConfig, run: RunContext):
         self.config = config
@@ -105,8 +126,19 @@ class Algorithm(abc.ABC):
 
     # -- what the algorithm asks of the rest ---------------------------------------------------------
     @abc.abstractmethod
-    def objective(self):
-        """The loss the workers train (``diffrl.engine.DiffusionEngine.train_batch``'s ``loss_fn``)."""
+    def objective(self) -> Objective:
+        """The loss the workers train (``diffrl.engine.DiffusionEngine.train_batch``'s ``loss_fn``), declaring its
+        :class:`ObjectiveSpec`."""
+
+    @property
+    def spec(self) -> ObjectiveSpec:
+        """What this algorithm's objective declares (built from the config: the same for every call)."""
+        return self.objective().spec
+
+    @property
+    def needs_old_policy(self) -> bool:
+        """The engine keeps an ``old`` policy (a second adapter / frozen copy) from the start (``spec.old_policy``)."""
+        return self.spec.old_policy
 
     def validate(self, num_workers: int) -> None:
         """Raise a one-line ValueError for settings this algorithm cannot run with, before any work."""
@@ -118,6 +150,11 @@ class Algorithm(abc.ABC):
     def rollout_plan(self, masks: WindowMasks) -> RolloutPlan:
         """Which policy samples and which steps are stochastic / trained, given the window's masks."""
         return RolloutPlan("current", masks.trained, masks.stochastic)
+
+    def rollout_request(self, masks: WindowMasks, micro_batch_size: int | None = None) -> SampleRequest:
+        """The typed request of :meth:`rollout_plan` for the window's ``masks``, recording the step means when the
+        objective declares it (``spec.record_means``)."""
+        return self.rollout_plan(masks).request(micro_batch_size, record_means=self.spec.record_means)
 
     def rows_per_step(self) -> int:
         """Rows of one RL step's update (trajectories, or pairs for preference learning)."""
@@ -253,6 +290,17 @@ def group_class(config, groups: list[str]) -> str:
     return names[0]
 
 
+def registered_where(predicate: Callable[[ObjectiveSpec], bool], run: RunContext) -> list[str]:
+    """``"<registry name> (loss <objective name>)"`` of every registered algorithm whose objective, at its ``Config``'s
+    defaults, satisfies ``predicate`` (for messages that name what would work, from the registry)."""
+    out = []
+    for name, cls in sorted(ALGORITHMS.items()):
+        spec = cls(cls.Config(), run).spec
+        if predicate(spec):
+            out.append(name if spec.name == name else f"{name} (loss {spec.name})")
+    return out
+
+
 def check_config(config) -> None:
     """Raise a clear error when the ``algorithm`` config names no registered algorithm class."""
     algorithm_class(config.trainer)
@@ -263,3 +311,10 @@ def build_algorithm(config, run: RunContext) -> Algorithm:
     cls = algorithm_class(config.trainer)
     own = cls.Config(**{f.name: getattr(config, f.name) for f in dataclasses.fields(cls.Config)})
     return cls(own, run)
+
+
+__all__ = [
+    "ALGORITHMS", "BASE", "OLD", "Algorithm", "Granularity", "MicroBatchObjective", "Objective", "ObjectiveSpec", "OffPolicy", "Pairs",
+    "Reference", "RolloutPlan", "RunContext", "StepObjective", "StepResult", "Workers", "algorithm_class", "arrange_for_data_parallel",
+    "build_algorithm", "check_config", "group_class", "register_algorithm", "registered_where", "sample_only_plan",
+]

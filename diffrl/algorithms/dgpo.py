@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
-from diffrl.algorithms.base import RolloutPlan, register_algorithm, sample_only_plan
+from diffrl.algorithms.base import BASE, Granularity, MicroBatchObjective, ObjectiveSpec, RolloutPlan, register_algorithm, sample_only_plan
 from diffrl.algorithms.objectives import renoised_clean_samples
 from diffrl.algorithms.policy_gradient import GroupAdvantageAlgorithm
 from diffrl.config import AlgorithmConfig, Check, at_least, positive
@@ -92,15 +92,15 @@ class DGPOConfig(AlgorithmConfig):
     """noise levels of the sampler's schedule trained per sample"""
 
 
-class DGPOObjective:
+class DGPOObjective(MicroBatchObjective):
     """DGPO on the clean samples ``latents[:, -1]`` with ``batch["advantages"]`` (already clipped) and
-    ``batch["group_id"]``: ``prepare_batch`` adds ``dgpo_weights [B, L]``, ``micro_losses`` the loss per level."""
-
-    loss_name = "dgpo"
+    ``batch["group_id"]``: ``prepare_batch`` adds ``dgpo_weights [B, L]``, ``micro_losses`` the loss per level. Its spec:
+    pieces per micro-batch after a gradient-free pass over the whole batch, the base reference (the group weights
+    compare with it)."""
 
     def __init__(self, *, beta: float, num_timesteps: int, group_size: int, kl_beta: float):
+        super().__init__(ObjectiveSpec(name="dgpo", granularity=Granularity.MICRO_BATCH, reference=BASE, prepares_batch=True))
         self.beta, self.num_timesteps, self.group_size, self.kl_beta = beta, num_timesteps, group_size, kl_beta
-        self.needs_reference = True  # the group weights compare with the reference
 
     def prepare_batch(self, engine, batch: TensorDict, seed: int) -> TensorDict:
         errors, ref_errors = [], []
@@ -110,7 +110,7 @@ class DGPOObjective:
             for piece in renoised_clean_samples(engine, micro, seed, self.num_timesteps, "dgpo"):
                 guidance = engine.sampler.guidance_scale
                 e.append(flow_errors(engine.adapter.predict(piece.x_t, piece.sigma, piece.cond, guidance), piece.target))
-                with engine.reference() as ref:
+                with engine.reference_policy(self.spec.reference) as ref:
                     r.append(flow_errors(ref.predict(piece.x_t, piece.sigma, piece.cond, guidance), piece.target))
             errors.append(torch.stack(e, 1).cpu())
             ref_errors.append(torch.stack(r, 1).cpu())
@@ -137,7 +137,7 @@ class DGPOObjective:
         for k, piece in enumerate(renoised_clean_samples(engine, micro, seed, self.num_timesteps, "dgpo")):
             v_ref = None
             if self.kl_beta > 0:
-                with torch.no_grad(), engine.reference() as ref:
+                with torch.no_grad(), engine.reference_policy(self.spec.reference) as ref:
                     v_ref = ref.predict(piece.x_t, piece.sigma, piece.cond, guidance)
             v_theta = engine.adapter.predict(piece.x_t, piece.sigma, piece.cond, guidance)
             loss, metrics = dgpo_loss(v_theta, piece.target, advantages, weights[:, k], kl_beta=self.kl_beta, v_ref=v_ref)
@@ -148,7 +148,7 @@ class DGPOObjective:
 class DGPO(GroupAdvantageAlgorithm):
     Config = DGPOConfig
 
-    def objective(self):
+    def objective(self) -> DGPOObjective:
         a = self.config
         return DGPOObjective(beta=a.dgpo_beta, num_timesteps=a.dgpo_num_timesteps, group_size=self.run.group_size, kl_beta=a.kl_beta)
 

@@ -14,7 +14,7 @@ from typing import ClassVar, Optional
 import torch
 from tensordict import TensorDict
 
-from diffrl.algorithms.base import Algorithm, RolloutPlan, StepResult, register_algorithm, sample_only_plan
+from diffrl.algorithms.base import BASE, Algorithm, Granularity, MicroBatchObjective, ObjectiveSpec, Pairs, RolloutPlan, StepResult, register_algorithm, sample_only_plan
 from diffrl.algorithms.losses import dpo_loss
 from diffrl.algorithms.objectives import forward_noise, objective_noise
 from diffrl.config import AlgorithmConfig, Check, at_least, positive
@@ -37,19 +37,20 @@ class PreferenceConfig(AlgorithmConfig):
     """offline pairs (jsonl or parquet: prompt, image_0, image_1, label_0); null: online best/worst of each group"""
 
 
-class DPOObjective:
+class DPOObjective(MicroBatchObjective):
     """Diffusion-DPO (Wallace et al. 2023) on pairs ``latents_w``/``latents_l`` (clean, ``[B, …]``) with
     ``cond``: ``num_timesteps`` noise levels per pair drawn uniformly in ``(0, 1)`` (the paper's uniform
     t), winner and loser sharing the noise and the level; errors of the trained model and of the reference
-    (adapters disabled) go to ``diffrl.algorithms.losses.dpo_loss``.
+    (adapters disabled) go to ``diffrl.algorithms.losses.dpo_loss``. Its spec: the base reference, pieces per
+    micro-batch, online preference pairs (:class:`OfflineDPOObjective`: pairs read from a file).
     """
 
-    loss_name = "dpo"
-    needs_reference = True
+    PAIRS: ClassVar[Pairs] = Pairs.ONLINE
 
     def __init__(self, *, dpo_beta: float, num_timesteps: int):
         if num_timesteps < 1:
             raise ValueError(f"algorithm.dpo_num_timesteps must be ≥ 1, got {num_timesteps}")
+        super().__init__(ObjectiveSpec(name="dpo", granularity=Granularity.MICRO_BATCH, reference=BASE, pairs=self.PAIRS))
         self.dpo_beta, self.num_timesteps = dpo_beta, num_timesteps
 
     def micro_losses(self, engine, micro: TensorDict, seed: int):
@@ -68,7 +69,7 @@ class DPOObjective:
             cond_both = torch.cat([cond, cond])
             target_both = torch.cat([target_w, target_l])
             pred = adapter.predict(x_both, sigma_both, cond_both, engine.sampler.guidance_scale)
-            with torch.no_grad(), engine.reference() as ref:
+            with torch.no_grad(), engine.reference_policy(self.spec.reference) as ref:
                 ref_pred = ref.predict(x_both, sigma_both, cond_both, engine.sampler.guidance_scale)
             dims = tuple(range(1, pred.ndim))
             err = ((pred.float() - target_both) ** 2).mean(dim=dims)
@@ -76,6 +77,12 @@ class DPOObjective:
             n = x_w.shape[0]
             loss, metrics = dpo_loss(err[:n], err[n:], ref_err[:n], ref_err[n:], dpo_beta=self.dpo_beta)
             yield loss, 1.0 / self.num_timesteps, metrics
+
+
+class OfflineDPOObjective(DPOObjective):
+    """:class:`DPOObjective` on offline pairs (``algorithm.preference_pairs``: no rollout, no source images)."""
+
+    PAIRS = Pairs.OFFLINE
 
 
 def online_pairs(traj: TensorDict, rewards: torch.Tensor) -> TensorDict:
@@ -107,8 +114,9 @@ class Preference(Algorithm):
         super().__init__(config, run)
         self.offline_pairs: TensorDict | None = None
 
-    def objective(self):
-        return DPOObjective(dpo_beta=self.config.dpo_beta, num_timesteps=self.config.dpo_num_timesteps)
+    def objective(self) -> DPOObjective:
+        cls = OfflineDPOObjective if self.config.preference_pairs else DPOObjective
+        return cls(dpo_beta=self.config.dpo_beta, num_timesteps=self.config.dpo_num_timesteps)
 
     def validate(self, num_workers: int) -> None:
         if not self.config.preference_pairs and self.run.group_size < 2:

@@ -19,7 +19,7 @@ further the way its advantage pulls (corrective updates always stay):
 ``δ`` is ``algorithm.kl_mask_threshold`` (verl-omni's ``kl_mask_threshold`` 1e-5 on Qwen-Image, Flow-Factory's
 1e-6 on SD3.5). With one optimizer step per rollout ``μ_θ = μ_old``, ``D = 0`` and nothing is masked: the mask acts
 from the second optimizer step on (``algorithm.mini_batch_size`` / ``algorithm.epochs``), which is where a trust
-region matters. The rollout records each step's transition mean (``RolloutPlan.record_means``).
+region matters. The rollout records each step's transition mean (the objective declares ``record_means``).
 
 Choices: the reference of the optional KL is the model with its LoRA disabled (as Flow-GRPO here); off-policy
 rollouts (rollout replicas with staleness, FP8 rollouts) are refused, since the mask needs the proximal policy's
@@ -34,11 +34,10 @@ from typing import ClassVar
 import torch
 from tensordict import TensorDict
 
-from diffrl.algorithms.base import RolloutPlan, register_algorithm
+from diffrl.algorithms.base import BASE, Granularity, ObjectiveSpec, StepObjective, register_algorithm
 from diffrl.algorithms.losses import gaussian_kl_same_std, step_kl
 from diffrl.algorithms.policy_gradient import GroupAdvantageAlgorithm
 from diffrl.config import AlgorithmConfig, Check, positive
-from diffrl.sampling.schedules import WindowMasks
 
 
 def divergence_mask(advantages: torch.Tensor, ratio: torch.Tensor, divergence: torch.Tensor, threshold: float) -> torch.Tensor:
@@ -98,21 +97,20 @@ def flow_dppo_loss(
     return loss, metrics
 
 
-class FlowDPPOStepLoss:
+class FlowDPPOStepLoss(StepObjective):
     """The engine's per-step loss ``fn(step, batch, k)``: reads ``batch["log_probs"][:, k]``, ``batch["means"][:, k]``
-    (the rollout's transition means), ``batch["advantages"]`` and ``dt`` from ``batch["sigmas"]``."""
-
-    loss_name = "flow_dppo"
-    rollout_correction = False  # the mask needs the proximal policy's step means: no off-policy rollouts
+    (the rollout's transition means), ``batch["advantages"]`` and ``dt`` from ``batch["sigmas"]``. Its spec: rollouts
+    record the step means; the base reference when ``kl_beta > 0``; no off-policy correction (the mask needs the
+    proximal policy's step means)."""
 
     def __init__(self, *, threshold: float, kl_beta: float, kl_dt_scale: bool):
+        super().__init__(ObjectiveSpec(name="flow_dppo", granularity=Granularity.STEP, reference=BASE if kl_beta > 0 else None, record_means=True))
         self.threshold, self.kl_beta, self.kl_dt_scale = threshold, kl_beta, kl_dt_scale
-        self.needs_reference = kl_beta > 0
 
     def __call__(self, step: dict, batch: TensorDict, k: int):
         keys = set(batch.keys())
         if "means" not in keys:
-            raise ValueError("flow_dppo needs the rollout step means batch['means'] [B, K, …]: sample with RolloutPlan.record_means")
+            raise ValueError("flow_dppo needs the rollout step means batch['means'] [B, K, …] (recorded by a rollout whose request carries the objective's spec.record_means)")
         dt = batch["sigmas"][:, k] - batch["sigmas"][:, k + 1] if "sigmas" in keys else None
         return flow_dppo_loss(
             step["log_prob"], batch["log_probs"][:, k], batch["advantages"], mean=step["mean"], old_mean=batch["means"][:, k],
@@ -136,9 +134,6 @@ class FlowDPPOConfig(AlgorithmConfig):
 class FlowDPPO(GroupAdvantageAlgorithm):
     Config = FlowDPPOConfig
 
-    def objective(self):
+    def objective(self) -> FlowDPPOStepLoss:
         a = self.config
         return FlowDPPOStepLoss(threshold=a.kl_mask_threshold, kl_beta=a.kl_beta, kl_dt_scale=a.kl_dt_scale)
-
-    def rollout_plan(self, masks: WindowMasks) -> RolloutPlan:
-        return RolloutPlan("current", masks.trained, masks.stochastic, record_means=True)

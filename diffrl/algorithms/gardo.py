@@ -37,7 +37,7 @@ from typing import ClassVar
 import torch
 from tensordict import TensorDict
 
-from diffrl.algorithms.base import StepResult, register_algorithm
+from diffrl.algorithms.base import OLD, Granularity, ObjectiveSpec, StepObjective, StepResult, register_algorithm
 from diffrl.algorithms.losses import flow_grpo_loss, step_kl
 from diffrl.algorithms.policy_gradient import GroupAdvantageAlgorithm
 from diffrl.config import AlgorithmConfig, Check, at_least, between, positive
@@ -121,17 +121,14 @@ def gardo_loss(
     return loss, metrics
 
 
-class GARDOStepLoss:
+class GARDOStepLoss(StepObjective):
     """The engine's per-step loss: reads ``batch["log_probs"][:, k]``, ``batch["advantages"]``, ``batch["gate_weight"]``
-    and ``dt``; the reference of its KL is the ``old`` adapter (``reference_policy``)."""
-
-    loss_name = "gardo"
-    rollout_correction = False
-    reference_policy = "old"
+    and ``dt``. Its spec: the old policy, which is the reference of its KL (when ``kl_beta > 0``); no off-policy
+    correction."""
 
     def __init__(self, *, clip_range: float, kl_beta: float, kl_dt_scale: bool):
+        super().__init__(ObjectiveSpec(name="gardo", granularity=Granularity.STEP, reference=OLD if kl_beta > 0 else None, old_policy=True))
         self.clip_range, self.kl_beta, self.kl_dt_scale = clip_range, kl_beta, kl_dt_scale
-        self.needs_reference = kl_beta > 0
 
     def __call__(self, step: dict, batch: TensorDict, k: int):
         dt = batch["sigmas"][:, k] - batch["sigmas"][:, k + 1] if "sigmas" in batch.keys() else None
@@ -166,7 +163,6 @@ class GARDOConfig(AlgorithmConfig):
 @register_algorithm("gardo")
 class GARDO(GroupAdvantageAlgorithm):
     Config = GARDOConfig
-    needs_old_policy = True
 
     def __init__(self, config: GARDOConfig, run):
         super().__init__(config, run)
@@ -182,7 +178,7 @@ class GARDO(GroupAdvantageAlgorithm):
             raise ValueError(f"algorithm.gate_rewards={list(a.gate_rewards)}: {missing} not in reward.names {list(self.run.reward_weights)}; "
                              "add them there (weight 0 scores them without optimising them)")
 
-    def objective(self):
+    def objective(self) -> GARDOStepLoss:
         a = self.config
         return GARDOStepLoss(clip_range=a.clip_range, kl_beta=a.kl_beta, kl_dt_scale=a.kl_dt_scale)
 

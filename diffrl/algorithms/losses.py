@@ -2,7 +2,8 @@
 
 Each loss returns ``(loss, metrics)``: ``loss`` a scalar fp32 tensor to back-propagate (float64 when the per-step
 losses get float64 inputs: the parity tests), ``metrics`` a dict of floats (already detached). Per-step policy-gradient losses (``flow_grpo``/``ddpo``, ``grpo_guard``) take
-the outputs of one denoising step of a micro-batch; ``make_step_loss`` binds them to the engine.
+the outputs of one denoising step of a micro-batch; ``make_step_loss`` binds them to the engine as a ``StepLoss``
+(a step objective declaring its ``ObjectiveSpec``).
 ``dpo`` and ``nft`` take whole-sample quantities (per-pair errors, velocity predictions on forward-noised
 clean samples) and are called by their own training paths.
 """
@@ -16,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from diffrl.algorithms.advantages import STD_MODES, group_advantages
+from diffrl.algorithms.base import BASE, Granularity, ObjectiveSpec, OffPolicy, StepObjective
 
 LOSSES: dict[str, Callable] = {}
 
@@ -436,28 +438,33 @@ def nft_reward_to_r(
 STEP_LOSSES = ("flow_grpo", "ddpo", "grpo_guard")
 
 
-def make_step_loss(name: str, **hyper):
-    """Bind a per-step policy-gradient loss of the registry to the engine's per-step interface.
+class StepLoss(StepObjective):
+    """A per-step policy-gradient loss of the registry (``flow_grpo``, ``ddpo``, ``grpo_guard``) as the engine's step
+    objective (:func:`make_step_loss`). Its spec: the base reference when ``kl_beta > 0``; off-policy rollouts corrected
+    by truncated importance weights (not ``grpo_guard``, whose RatioNorm needs the proximal step means); rollouts that
+    record the step means for ``grpo_guard``."""
 
-    The returned ``fn(step, batch, k)`` reads the rollout log-probs ``batch["log_probs"][:, k]``,
-    ``batch["advantages"]`` and, when the batch has them, ``dt = sigmas[:, k] − sigmas[:, k+1]``; for
-    ``grpo_guard`` also the rollout step means ``batch["means"][:, k]`` (``[B, K, …]``, the ``mean`` of each
-    rollout step). ``fn.needs_reference`` is true when ``kl_beta > 0``.
+    def __init__(self, name: str, hyper: dict, rollout_is_cap: float):
+        loss = get_loss(name)
+        if name not in STEP_LOSSES:
+            raise ValueError(f"loss {name!r} is not a per-step policy-gradient loss; make_step_loss supports {STEP_LOSSES}")
+        guard = name == "grpo_guard"
+        super().__init__(ObjectiveSpec(
+            name=name, granularity=Granularity.STEP, reference=BASE if hyper.get("kl_beta", 0.0) > 0 else None,
+            off_policy=OffPolicy.NONE if guard else OffPolicy.TRUNCATED_IS, record_means=guard,
+        ))
+        self.name, self.loss, self.hyper, self.rollout_is_cap = name, loss, hyper, rollout_is_cap
 
-    Off-policy rollouts (``distributed.max_staleness > 0``): when the batch holds ``prox_log_probs [B, K]`` (the
-    actor's log-probs of the stale trajectories at the start of the update), the ratio is taken against them
-    and each sample is weighted by ``truncated_is_weight(prox, behaviour, rollout_is_cap)``. When it holds
-    ``proximal_is_current [B]`` instead (an update of one optimizer step: every forward runs at the weights the
-    update starts from), the proximal log-probs are the step's own, detached (no second forward); metrics
-    ``rollout_is_weight_mean`` and ``rollout_is_truncated`` (fraction at the cap). ``fn.rollout_correction``
-    says whether the loss supports it (not ``grpo_guard``, whose RatioNorm needs the proximal step means).
-    """
-    loss = get_loss(name)
-    if name not in STEP_LOSSES:
-        raise ValueError(f"loss {name!r} is not a per-step policy-gradient loss; make_step_loss supports {STEP_LOSSES}")
-    rollout_is_cap = float(hyper.pop("rollout_is_cap", 2.0))
+    @property
+    def needs_reference(self) -> bool:
+        return self.spec.reference is not None
 
-    def step_loss(step: dict, batch, k: int):
+    @property
+    def loss_name(self) -> str:
+        return self.spec.name
+
+    def __call__(self, step: dict, batch, k: int):
+        name, loss, hyper, rollout_is_cap = self.name, self.loss, self.hyper, self.rollout_is_cap
         keys = set(batch.keys())
         extra = {}
         if "sigmas" in keys:
@@ -484,7 +491,22 @@ def make_step_loss(name: str, **hyper):
             mean=step["mean"], ref_mean=step.get("ref_mean"), std=step["std"], **extra, **hyper,
         )
 
-    step_loss.needs_reference = hyper.get("kl_beta", 0.0) > 0
-    step_loss.loss_name = name
-    step_loss.rollout_correction = name != "grpo_guard"
-    return step_loss
+
+def make_step_loss(name: str, **hyper) -> StepLoss:
+    """Bind a per-step policy-gradient loss of the registry to the engine's per-step interface (a :class:`StepLoss`).
+
+    The returned ``fn(step, batch, k)`` reads the rollout log-probs ``batch["log_probs"][:, k]``,
+    ``batch["advantages"]`` and, when the batch has them, ``dt = sigmas[:, k] − sigmas[:, k+1]``; for
+    ``grpo_guard`` also the rollout step means ``batch["means"][:, k]`` (``[B, K, …]``, the ``mean`` of each
+    rollout step). Its spec names the base reference when ``kl_beta > 0`` (``fn.needs_reference``).
+
+    Off-policy rollouts (``distributed.max_staleness > 0``): when the batch holds ``prox_log_probs [B, K]`` (the
+    actor's log-probs of the stale trajectories at the start of the update), the ratio is taken against them
+    and each sample is weighted by ``truncated_is_weight(prox, behaviour, rollout_is_cap)``. When it holds
+    ``proximal_is_current [B]`` instead (an update of one optimizer step: every forward runs at the weights the
+    update starts from), the proximal log-probs are the step's own, detached (no second forward); metrics
+    ``rollout_is_weight_mean`` and ``rollout_is_truncated`` (fraction at the cap). ``fn.spec.off_policy`` says
+    whether the loss supports it (not ``grpo_guard``, whose RatioNorm needs the proximal step means).
+    """
+    rollout_is_cap = float(hyper.pop("rollout_is_cap", 2.0))
+    return StepLoss(name, hyper, rollout_is_cap)

@@ -15,7 +15,7 @@ import torch
 from tensordict import TensorDict
 
 from diffrl.algorithms.advantages import check_group_size
-from diffrl.algorithms.base import Algorithm, RolloutPlan, StepResult, register_algorithm, sample_only_plan
+from diffrl.algorithms.base import BASE, Algorithm, Granularity, MicroBatchObjective, ObjectiveSpec, RolloutPlan, StepResult, register_algorithm, sample_only_plan
 from diffrl.algorithms.losses import nft_loss, nft_reward_to_r
 from diffrl.algorithms.objectives import renoised_clean_samples
 from diffrl.config import AlgorithmConfig, Check, at_least, between, one_of, positive
@@ -58,20 +58,19 @@ class NFTConfig(AlgorithmConfig):
     """factor on the policy term, the KL term unscaled (the reference code multiplies it by its adv_clip_max, 5)"""
 
 
-class NFTObjective:
+class NFTObjective(MicroBatchObjective):
     """DiffusionNFT (Zheng et al. 2025) on the clean samples ``latents[:, -1]`` of rollouts drawn by the
     ``old`` policy: at the noise levels of the sampler's schedule (each sample in its own random order,
     ``num_timesteps`` of them, default all), fresh noise, then :func:`nft_objective_loss`
     between the trained policy (``default``), the old policy and the target ``ε − x0``; optional velocity
-    KL to the reference (adapters disabled). Needs ``batch["nft_r"]`` (``[B]`` in ``[0, 1]``).
+    KL to the reference (adapters disabled). Needs ``batch["nft_r"]`` (``[B]`` in ``[0, 1]``). Its spec: pieces per
+    micro-batch, the old policy, the base reference when ``kl_beta > 0``.
     """
 
-    loss_name = "nft"
-
     def __init__(self, *, nft_beta: float, adaptive_weight: bool, kl_beta: float, num_timesteps: int | None, policy_scale: float):
+        super().__init__(ObjectiveSpec(name="nft", granularity=Granularity.MICRO_BATCH, reference=BASE if kl_beta > 0 else None, old_policy=True))
         self.nft_beta, self.adaptive_weight, self.kl_beta = nft_beta, adaptive_weight, kl_beta
         self.num_timesteps, self.policy_scale = num_timesteps, policy_scale
-        self.needs_reference = kl_beta > 0
 
     def micro_losses(self, engine, micro: TensorDict, seed: int):
         guidance, r = engine.sampler.guidance_scale, micro["nft_r"].to(engine.adapter.device)
@@ -79,8 +78,8 @@ class NFTObjective:
             with torch.no_grad(), engine.old_policy() as old:
                 v_old = old.predict(piece.x_t, piece.sigma, piece.cond, guidance)
             v_ref = None
-            if self.needs_reference:
-                with torch.no_grad(), engine.reference() as ref:
+            if self.spec.reference is not None:
+                with torch.no_grad(), engine.reference_policy(self.spec.reference) as ref:
                     v_ref = ref.predict(piece.x_t, piece.sigma, piece.cond, guidance)
             v_theta = engine.adapter.predict(piece.x_t, piece.sigma, piece.cond, guidance)
             loss, metrics = nft_objective_loss(
@@ -124,9 +123,8 @@ def old_decay(schedule: str, step: int, *, rate: float | None = None, max_decay:
 @register_algorithm("nft")
 class NFT(Algorithm):
     Config = NFTConfig
-    needs_old_policy = True
 
-    def objective(self):
+    def objective(self) -> NFTObjective:
         a = self.config
         return NFTObjective(nft_beta=a.nft_beta, adaptive_weight=a.nft_adaptive_weight, kl_beta=a.kl_beta, num_timesteps=a.nft_num_timesteps,
                             policy_scale=a.nft_policy_scale)

@@ -2,8 +2,9 @@
 
 Sample SDE trajectories with the current policy, score them, turn rewards into advantages (group-relative,
 or DDPO's per-prompt stat tracker), and take clipped-ratio steps on the trained steps' log-probs with the
-loss of ``algorithm.loss`` (``diffrl.algorithms.losses``: ``flow_grpo``, ``grpo_guard``, ``ddpo``). The
-variants differ in the sampler (step kind, training window) and the loss, not in this class:
+loss of ``algorithm.loss`` (``diffrl.algorithms.losses``: ``flow_grpo``, ``grpo_guard``, ``ddpo``), whose
+``StepLoss`` declares its needs (the base reference with ``kl_beta > 0``; truncated-IS correction of off-policy
+rollouts for ``flow_grpo``/``ddpo``; recorded step means for ``grpo_guard``). The variants differ in the sampler (step kind, training window) and the loss, not in this class:
 Flow-GRPO-Fast and MixGRPO are windows, DanceGRPO is ``sampler.kind=dance_sde`` with a random window.
 """
 
@@ -22,10 +23,9 @@ from diffrl.algorithms.advantages import (
     group_std_keep_mask,
     nonzero_advantage_keep_mask,
 )
-from diffrl.algorithms.base import Algorithm, RolloutPlan, StepResult, register_algorithm
-from diffrl.algorithms.losses import STEP_LOSSES, make_step_loss
+from diffrl.algorithms.base import Algorithm, StepResult, register_algorithm
+from diffrl.algorithms.losses import STEP_LOSSES, StepLoss, make_step_loss
 from diffrl.config import AlgorithmConfig, Check, at_least, between, one_of, positive
-from diffrl.sampling.schedules import WindowMasks
 
 
 @dataclass
@@ -128,7 +128,7 @@ class PolicyGradient(Algorithm):
             raise ValueError("algorithm.adv_std_ddof applies to group statistics; the stat tracker (algorithm.adv_stat_tracker=true) uses population stds")
         self.advantages = RewardAdvantages(config, run.reward_weights, tracker, ddof=config.adv_std_ddof)
 
-    def objective(self):
+    def objective(self) -> StepLoss:
         a = self.config
         hyper = {"clip_range": a.clip_range, "kl_beta": a.kl_beta, "kl_dt_scale": a.kl_dt_scale, "rollout_is_cap": a.rollout_is_cap}
         if a.loss == "grpo_guard":
@@ -139,9 +139,6 @@ class PolicyGradient(Algorithm):
         if not self.config.adv_stat_tracker:  # the tracker's statistics span steps (and the batch before a prompt has min_count rewards)
             check_group_size(self.run.group_size, f"algorithm={self.config.name}",
                              alternative="algorithm.adv_stat_tracker=true (DDPO's per-prompt statistics across steps)")
-
-    def rollout_plan(self, masks: WindowMasks) -> RolloutPlan:
-        return RolloutPlan("current", masks.trained, masks.stochastic, record_means=self.config.loss == "grpo_guard")
 
     def update(self, workers, traj: TensorDict, scores: dict, step: int) -> StepResult:
         prompts = list(traj.get("prompts").tolist())

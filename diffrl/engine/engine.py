@@ -5,10 +5,13 @@ Both paths call the adapter's ``predict()`` and the sampler step of ``diffrl.sam
 ``prev_sample``, exactly as the rollout did, so recomputed log-probs equal the rollout's at equal batch
 composition.
 
-A loss function is ``loss_fn(step: dict, batch: TensorDict, k: int) -> (loss, metrics)`` where
-``step`` holds ``log_prob``, ``mean``, ``std`` of the current policy at step ``k`` and, when
-``loss_fn.needs_reference`` is true, ``ref_mean`` and ``ref_log_prob`` of the reference policy (the base model, or the
-``old`` adapter when ``loss_fn.reference_policy == "old"``: GARDO's adaptive reference).
+The loss is an :class:`~diffrl.engine.objective.Objective` (``diffrl.engine.objective``), and the engine reads only
+its declared ``spec``: a per-step objective is called as ``objective(step, batch, k) -> (loss, metrics)`` where ``step``
+holds ``log_prob``, ``mean``, ``std`` of the current policy at step ``k`` and, when ``spec.reference`` names one,
+``ref_mean`` and ``ref_log_prob`` of that reference policy (:meth:`DiffusionEngine.reference_policy`: the base model,
+or an adapter such as ``old``, GARDO's adaptive reference); a micro-batch objective yields its own pieces; an objective
+with ``spec.prepares_batch`` sees the whole batch first. A plain per-step function is a step objective with no
+reference.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from tensordict import TensorDict
 
 from diffrl.config import ModelConfig, OptimConfig, SamplerConfig
 from diffrl.engine import fp8, lora, memory, parallel, precision, sequence_parallel
+from diffrl.engine.objective import Granularity, Objective, Reference, as_objective
 from diffrl.sampling.sde import is_deterministic, run_step
 
 
@@ -286,6 +290,24 @@ class DiffusionEngine:
             return
         yield self._reference_copy
 
+    @contextlib.contextmanager
+    def reference_policy(self, reference: Reference):
+        """Yield the model adapter running as an objective's declared ``reference``: ``base`` (:meth:`reference`) or the
+        adapter it names (``old``: :meth:`old_policy`; another: that LoRA adapter, which must exist)."""
+        if reference.kind == "base":
+            with self.reference() as adapter:
+                yield adapter
+        elif reference.kind == "adapter" and reference.adapter == "old":
+            with self.old_policy() as adapter:
+                yield adapter
+        elif reference.kind == "adapter":
+            if not self.uses_lora or reference.adapter not in getattr(self.module, "peft_config", {}):
+                raise ValueError(f"the objective's reference is the LoRA adapter {reference.adapter!r}, which this model does not have")
+            with lora.adapter_active(self.module, reference.adapter):
+                yield self.adapter
+        else:
+            raise ValueError(f"unknown reference kind {reference.kind!r}; choose one of {Reference.KINDS}")
+
     # -- the old policy (DiffusionNFT's sampling policy) -----------------------------------------
     @property
     def has_old(self) -> bool:
@@ -394,30 +416,31 @@ class DiffusionEngine:
         return [batch[i : i + size] for i in range(0, batch.shape[0], size)]
 
     # -- train / infer ----------------------------------------------------------------------------
-    def train_batch(self, batch: TensorDict, loss_fn, *, seed: int = 0) -> dict:
-        """One optimizer step on ``batch``, gradients accumulated over micro-batches.
+    def train_batch(self, batch: TensorDict, loss_fn: Objective, *, seed: int = 0) -> dict:
+        """One optimizer step on ``batch``, gradient accumulated over micro-batches.
 
-        Per-step losses (``make_step_loss``) run over the trajectories × their trained steps; objectives
-        with ``micro_losses`` (NFT, DPO) yield their own pieces. Each piece's loss is weighted by its
-        share of the batch, so the update equals the mean over all rows whatever the micro-batch size.
-        ``seed`` seeds the noise of objectives that draw it (with each sample's seed). An objective with
-        ``prepare_batch(engine, batch, seed) -> batch`` sees the whole batch first, gradient-free (e.g. DGPO's
-        group weights, which need every member of a group before any micro-batch's gradient).
+        ``loss_fn`` is an :class:`~diffrl.engine.objective.Objective` (or a plain per-step function); its ``spec`` says
+        how it is run. Per-step objectives run over the trajectories × their trained steps; micro-batch objectives (NFT,
+        DPO, AWM, DGPO) yield their own pieces. Each piece's loss is weighted by its share of the batch, so the update
+        equals the mean over all rows whatever the micro-batch size. ``seed`` seeds the noise of objectives that draw it
+        (with each sample's seed). With ``spec.prepares_batch`` the objective's ``prepare_batch(engine, batch, seed) ->
+        batch`` sees the whole batch first, gradient-free (e.g. DGPO's group weights, which need every member of a group
+        before any micro-batch's gradient).
         """
         if loss_fn is None:
             raise RuntimeError("no loss function set: call set_loss_fn first")
+        objective = as_objective(loss_fn)
         self.initialize()
-        prepare = getattr(loss_fn, "prepare_batch", None)
-        if prepare is not None:
+        if objective.spec.prepares_batch:
             with torch.no_grad():
-                batch = prepare(self, batch, seed)
+                batch = objective.prepare_batch(self, batch, seed)
         self.module.train()
         sums: dict[str, float] = defaultdict(float)
         loss_total = 0.0
         for micro in self._micro_batches(batch):
             micro = micro.to(self.adapter.device)
             share = micro.shape[0] / batch.shape[0]
-            for loss, weight, metrics in self._pieces(loss_fn, micro, seed):
+            for loss, weight, metrics in self._pieces(objective, micro, seed):
                 if loss.requires_grad or not self.model.lora.experts:  # LoRA on some experts: a step of another reaches no trained parameter
                     (loss * share * weight * self.gradient_scale).backward()  # × 1.0 is exact
                 loss_total += loss.item() * share * weight
@@ -426,25 +449,32 @@ class DiffusionEngine:
         grad_norm, skipped = self._optimizer_step(loss_total)
         return {"loss": loss_total, "metrics": {**sums, "grad_norm": grad_norm, "skipped_nonfinite": float(skipped), "lr": self.optimizer.param_groups[0]["lr"]}}
 
-    def _pieces(self, loss_fn, micro: TensorDict, seed: int):
-        if hasattr(loss_fn, "micro_losses"):
-            yield from loss_fn.micro_losses(self, micro, seed)
+    def _pieces(self, loss_fn: Objective, micro: TensorDict, seed: int):
+        objective = as_objective(loss_fn)
+        if objective.spec.granularity is Granularity.MICRO_BATCH:
+            yield from objective.micro_losses(self, micro, seed)
             return
         if not bool((micro["sde_mask"] == micro["sde_mask"][:1]).all()):
-            yield from self._per_row_step_pieces(loss_fn, micro)
+            yield from self._per_row_step_pieces(objective, micro)
             return
         steps = self._trained_steps(micro)
         for k in steps:
-            out = self._score_step(self.adapter, micro, k)
-            step_out = {"log_prob": out.log_prob, "mean": out.mean, "std": out.std}
-            if getattr(loss_fn, "needs_reference", False):  # the base model, or the old adapter (GARDO's adaptive reference)
-                with torch.no_grad(), (self.old_policy() if getattr(loss_fn, "reference_policy", "base") == "old" else self.reference()) as ref:
-                    ref_out = self._score_step(ref, micro, k)
-                step_out.update(ref_mean=ref_out.mean, ref_log_prob=ref_out.log_prob)
-            loss, metrics = loss_fn(step_out, micro, k)
+            loss, metrics = objective(self._step_outputs(objective, micro, k), micro, k)
             yield loss, 1.0 / len(steps), metrics
 
-    def _per_row_step_pieces(self, loss_fn, micro: TensorDict):
+    def _step_outputs(self, objective: Objective, batch: TensorDict, k: int) -> dict:
+        """What a per-step objective reads of step ``k``: the current policy's ``log_prob``, ``mean``, ``std`` and, when
+        its spec names a reference, that reference's ``ref_mean`` and ``ref_log_prob`` (no gradient)."""
+        out = self._score_step(self.adapter, batch, k)
+        step_out = {"log_prob": out.log_prob, "mean": out.mean, "std": out.std}
+        reference = objective.spec.reference
+        if reference is not None:
+            with torch.no_grad(), self.reference_policy(reference) as ref:
+                ref_out = self._score_step(ref, batch, k)
+            step_out.update(ref_mean=ref_out.mean, ref_log_prob=ref_out.log_prob)
+        return step_out
+
+    def _per_row_step_pieces(self, objective: Objective, micro: TensorDict):
         """Per-step losses of a micro-batch whose rows train different steps (``sde_mask [B, K]`` by row: DanceGRPO's
         per-sample choice, ``sampler.window=random_per_sample``). Every row trains the same number ``n`` of steps; piece
         ``j`` scores each row at its own ``j``-th trained step (the rows' step tensors gathered into a one-step batch), so
@@ -468,13 +498,7 @@ class DiffusionEngine:
             for key in STEP_ENTRIES:
                 if key in keys:
                     step.set(key, micro[key][rows, k].unsqueeze(1))
-            out = self._score_step(self.adapter, step, 0)
-            step_out = {"log_prob": out.log_prob, "mean": out.mean, "std": out.std}
-            if getattr(loss_fn, "needs_reference", False):
-                with torch.no_grad(), (self.old_policy() if getattr(loss_fn, "reference_policy", "base") == "old" else self.reference()) as ref:
-                    ref_out = self._score_step(ref, step, 0)
-                step_out.update(ref_mean=ref_out.mean, ref_log_prob=ref_out.log_prob)
-            loss, metrics = loss_fn(step_out, step, 0)
+            loss, metrics = objective(self._step_outputs(objective, step, 0), step, 0)
             yield loss, 1.0 / n, metrics
 
     def _optimizer_step(self, loss: float) -> tuple[float, bool]:
