@@ -48,6 +48,9 @@ CASES: dict[str, list[str]] = {
     "digits_compose_nft": ["experiment=digits_compose_nft"],
     "digits_edit_flow_grpo": ["experiment=digits_edit_flow_grpo"],
     "digits_edit_nft": ["experiment=digits_edit_nft"],
+    "digits_dgpo": ["experiment=digits_dgpo"],
+    "digits_flow_dppo": ["experiment=digits_flow_dppo"],
+    "digits_gardo": ["experiment=digits_gardo"],
 }
 
 VOLATILE = ("seconds", "time/", "perf/", "wall", "output_dir", "checkpoint")
