@@ -268,9 +268,8 @@ class AlgorithmConfig(OptimConfig):
     name: str = "flow_grpo"
     """the algorithm group's name, set from ``algorithm=<group>`` (diffrl.recipes; another value is refused): not a switch"""
     trainer: str = "policy_gradient"
-    """the algorithm class its group's schema selects (never set by hand; registry diffrl.algorithms.ALGORITHMS):
-    policy_gradient (groups flow_grpo, flow_grpo_fast, mixgrpo, grpo_guard, dance_grpo, ddpo) | preference (dpo) | nft | awm |
-    dgpo | flow_dppo | gardo"""
+    """the algorithm class its group's schema selects (never set by hand): a name of the registry
+    diffrl.algorithms.ALGORITHMS, e.g. policy_gradient for the groups flow_grpo … ddpo (docs/algorithms.md lists them all)"""
     kl_beta: float = 0.0
     """weight β of the KL to the reference (LoRA disabled)"""
     adv_std_mode: str = "global"
