@@ -179,7 +179,7 @@ def test_bad_awm_values_stop_before_any_work(tmp_path, capsys):
 
 
 @pytest.mark.recipe
-def test_digits_awm_raises_gold_accuracy_in_a_short_run(tmp_path):
+def test_digits_awm_raises_fidelity_in_a_short_run(tmp_path):
     """60 steps of the recipe (of its 150): the fidelity headline on the 60 prompts × 2 held-out seeds rises by ≥ 5 points
     (60 × 1 seed, 2026-12-06: +13.3 fidelity, +25 gold; the whole recipe: +55.8 gold and +47.1 fidelity points, RESULTS.md)."""
     out = tmp_path / "awm"
@@ -190,10 +190,11 @@ def test_digits_awm_raises_gold_accuracy_in_a_short_run(tmp_path):
 
 @pytest.mark.recipe
 def test_a_run_that_hacks_the_reward_fails_the_learning_test(tmp_path):
-    """The same 60 steps without the KL to the reference at lr 1e-3 (the recipe until 2026-12-05) hack the reward: raw gold
-    rises as much as the shipped recipe's (60 × 1 seed, 2026-12-06: +25 points, which the old gold-only test passed) while
-    the samples leave the real digits and the fidelity headline falls (−18.3 points), so the test above fails it."""
+    """Without the KL to the reference at lr 1e-3 (the recipe until 2026-12-05) the run hacks the reward: raw gold rises as
+    much as the shipped recipe's (60 × 1 seed, 2026-12-06: +25 points in 60 steps, which the old gold-only test passed)
+    while the samples leave the real digits and the fidelity headline falls, so the test above fails it. 40 steps show
+    it (60 × 2 seeds, 2026-12-06: gold 0.325 → 0.617, fidelity 0.233 → 0.067; 34 s, the 60 steps took 77 s)."""
     out = tmp_path / "awm_hack"
-    summary = short_recipe_run(out, "digits_awm", 60, "algorithm.kl_beta=0", "algorithm.lr=1e-3")
+    summary = short_recipe_run(out, "digits_awm", 40, "algorithm.kl_beta=0", "algorithm.lr=1e-3")
     assert summary["gold_accuracy_after"] - summary["gold_accuracy_before"] >= 0.10, summary  # what a gold-only test would pass
     assert summary["fidelity"]["last_gain"] < 0.05, summary

@@ -153,7 +153,7 @@ def test_registered_with_its_own_keys_and_one_line_errors(tmp_path, capsys):
 
 
 @pytest.mark.recipe
-def test_digits_gardo_raises_gold_accuracy_in_a_short_run(tmp_path):
+def test_digits_gardo_raises_fidelity_in_a_short_run(tmp_path):
     out = tmp_path / "gardo"
     summary = short_recipe_run(out, "digits_gardo", 40)
     assert fidelity_gain(summary) > 0, summary  # 60 × 1 seed, 2026-12-06: +6.7 fidelity points, gold +13.3

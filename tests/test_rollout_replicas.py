@@ -214,6 +214,7 @@ def _check_syncs(train: list[dict]) -> None:
 
 
 @pytest.mark.ray
+@pytest.mark.slow  # Ray actors: the slow tier, where the Ray tests run one after another on one process
 @pytest.mark.ranks
 def test_staleness_0_with_one_replica_reproduces_the_synchronous_run(tmp_path, synchronous_run, ray_cluster):
     expected, final_hash = synchronous_run
@@ -230,7 +231,7 @@ def test_staleness_0_with_one_replica_reproduces_the_synchronous_run(tmp_path, s
 
 
 @pytest.mark.ray
-@pytest.mark.slow  # Ray actors: the slow tier (staleness 0 stays in the fast tier)
+@pytest.mark.slow  # Ray actors: the slow tier
 def test_staleness_1_trains_one_version_behind_with_truncated_weights(tmp_path, synchronous_run, ray_cluster):
     expected, _ = synchronous_run
     got, proximal = _replica_run(tmp_path, 1)
@@ -248,7 +249,7 @@ def test_staleness_1_trains_one_version_behind_with_truncated_weights(tmp_path, 
 
 
 @pytest.mark.ray
-@pytest.mark.slow  # Ray actors: the slow tier (staleness 0 stays in the fast tier)
+@pytest.mark.slow  # Ray actors: the slow tier
 def test_staleness_2_with_mini_batches_rescored_by_the_actor(tmp_path, ray_cluster):
     got, proximal = _replica_run(tmp_path, 2, "algorithm.mini_batch_size=4")  # 2 optimizer steps: the proximal policy is re-scored
     train = [r for r in got if r["kind"] == "train"]
@@ -263,7 +264,7 @@ def test_staleness_2_with_mini_batches_rescored_by_the_actor(tmp_path, ray_clust
 
 
 @pytest.mark.ray
-@pytest.mark.slow  # Ray actors: the slow tier (staleness 0 stays in the fast tier)
+@pytest.mark.slow  # Ray actors: the slow tier
 def test_full_fine_tuning_syncs_every_weight_and_matches_the_synchronous_run(tmp_path, ray_cluster):
     full = ("model.lora.rank=0", "algorithm.lr=1e-5", "trainer.steps=2")
     local = Trainer(compose(_overrides(tmp_path, tmp_path / "local", *full)))

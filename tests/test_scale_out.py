@@ -67,6 +67,7 @@ def test_bad_split_fails_before_any_work_with_valid_sizes(tmp_path):
 
 
 @pytest.mark.ray
+@pytest.mark.slow  # Ray actors: the slow tier, where the Ray tests run one after another on one process
 @pytest.mark.parametrize("extra", [(), pytest.param(("algorithm.mini_batch_size=4", "algorithm.kl_beta=0.05"), marks=pytest.mark.slow),
                                    # gradient accumulation: 4 micro-batches of 2 on one worker, 2 of 2 on each of two ranks
                                    pytest.param(("algorithm.mini_batch_size=8", "algorithm.micro_batch_size=2"), marks=pytest.mark.slow)])
