@@ -67,6 +67,17 @@ def randomise_lora(module: torch.nn.Module, scale: float = 0.05, seed: int = 0) 
 # short ones, so that no process is left with a 2-minute run at the end while the other idles.
 
 
+def _xdist_group(config, item, name: str) -> None:
+    """Put ``item`` in xdist group ``name``. pytest-xdist 3.8 names an item's group by suffixing ``item._nodeid`` with
+    ``@name``, which pytest 9 no longer reads (a node's id lives in ``item._id``): without this the group was silently
+    ignored and two Ray tests could run at once; the suffix is set here as xdist means it."""
+    item.add_marker(pytest.mark.xdist_group(name))
+    if os.environ.get("PYTEST_XDIST_WORKER") and config.getvalue("loadgroup") and not item.nodeid.endswith(f"@{name}"):
+        from _pytest.nodeid import coerce_node_id  # pytest 9's node-id type (no public setter)
+
+        item._id = coerce_node_id(f"{item.nodeid}@{name}")
+
+
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects
 def pytest_collection_modifyitems(config, items):
     for item in items:
@@ -75,7 +86,7 @@ def pytest_collection_modifyitems(config, items):
         if not any(item.get_closest_marker(m) is not None for m in ("slow", "multinode", "exact", "ranks")):
             item.add_marker(pytest.mark.numerics)
         if item.get_closest_marker("ray") is not None:
-            item.add_marker(pytest.mark.xdist_group("ray"))
+            _xdist_group(config, item, "ray")
 
     def order(item) -> int:
         return 0 if item.get_closest_marker("recipe") is not None else 1 if item.get_closest_marker("slow") is not None else 2
