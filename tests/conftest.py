@@ -61,8 +61,9 @@ def randomise_lora(module: torch.nn.Module, scale: float = 0.05, seed: int = 0) 
 
 
 #
-# Scheduling (`--dist loadgroup`): the `ray` tests form one xdist group, run one after another on one process while the
-# other process takes the rest (two of them at once, four ranks and two drivers on 2 cores, ran 2-3x slower than alone);
+# Scheduling (`--dist loadgroup`): the `ray` tests and the two-node `multinode` test form one xdist group, run one after
+# another on one process while the other process takes the rest (two of them at once, four ranks and two drivers on 2
+# cores, ran 2-3x slower than alone), the two-node test last (its `ray stop --force` ends every Ray process);
 # xdist hands out the largest group first, and the learning runs (`recipe`), then the other slow tests, come before the
 # short ones, so that no process is left with a 2-minute run at the end while the other idles.
 
@@ -85,10 +86,12 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
         if not any(item.get_closest_marker(m) is not None for m in ("slow", "multinode", "exact", "ranks")):
             item.add_marker(pytest.mark.numerics)
-        if item.get_closest_marker("ray") is not None:
+        if item.get_closest_marker("ray") is not None or item.get_closest_marker("multinode") is not None:
             _xdist_group(config, item, "ray")
 
     def order(item) -> int:
+        if item.get_closest_marker("multinode") is not None:
+            return 3  # last: its `ray stop --force` ends every Ray process, after the group's other tests
         return 0 if item.get_closest_marker("recipe") is not None else 1 if item.get_closest_marker("slow") is not None else 2
 
     items.sort(key=order)  # stable: a module's tests keep their order
