@@ -100,6 +100,8 @@ def test_a_spec_that_contradicts_its_class_is_refused():
     with pytest.raises(ValueError, match="per-step log-probs"):
         ObjectiveSpec(name="x", granularity=Granularity.MICRO_BATCH, off_policy=OffPolicy.TRUNCATED_IS)
     with pytest.raises(ValueError, match="unknown reference kind"):
+        Reference("tutor")
+    with pytest.raises(ValueError, match="a source .the teacher's folder or Hub id. is given exactly with kind 'teacher'"):
         Reference("teacher")
     with pytest.raises(ValueError, match="the trained policy itself"):
         Reference("adapter", "default")
@@ -121,7 +123,7 @@ def test_the_engine_scores_the_declared_reference():
     engine = object.__new__(DiffusionEngine)
     engine.sampler = type("S", (), {"kind": "flow_sde", "noise_level": 0.7})()
     engine.adapter = "policy"
-    engine._score_step = lambda adapter, batch, k: type("Out", (), {"log_prob": torch.zeros(2), "mean": torch.full((2,), {"policy": 0.0, "base": 1.0, "old": 2.0}[adapter]),
+    engine._score_step = lambda adapter, batch, k, cond=None: type("Out", (), {"log_prob": torch.zeros(2), "mean": torch.full((2,), {"policy": 0.0, "base": 1.0, "old": 2.0}[adapter]),
                                                                     "std": torch.ones(2)})()
     engine.reference = lambda: contextlib.nullcontext("base")
     engine.old_policy = lambda: contextlib.nullcontext("old")

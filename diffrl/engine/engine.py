@@ -9,9 +9,9 @@ The loss is an :class:`~diffrl.engine.objective.Objective` (``diffrl.engine.obje
 its declared ``spec``: a per-step objective is called as ``objective(step, batch, k) -> (loss, metrics)`` where ``step``
 holds ``log_prob``, ``mean``, ``std`` of the current policy at step ``k`` and, when ``spec.reference`` names one,
 ``ref_mean`` and ``ref_log_prob`` of that reference policy (:meth:`DiffusionEngine.reference_policy`: the base model,
-or an adapter such as ``old``, GARDO's adaptive reference); a micro-batch objective yields its own pieces; an objective
-with ``spec.prepares_batch`` sees the whole batch first. A plain per-step function is a step objective with no
-reference.
+an adapter such as ``old``, GARDO's adaptive reference, or a frozen teacher model, :meth:`DiffusionEngine.teacher`); a
+micro-batch objective yields its own pieces; an objective with ``spec.prepares_batch`` sees the whole batch first. A plain
+per-step function is a step objective with no reference.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from diffrl.config import ModelConfig, OptimConfig, SamplerConfig
 from diffrl.engine import fp8, lora, memory, parallel, precision, sequence_parallel
 from diffrl.engine.objective import Granularity, Objective, Reference, as_objective
 from diffrl.sampling.sde import is_deterministic, run_step
+from pipelines import build_adapter
 
 
 def lr_factor(step: int, o: OptimConfig, total_steps: int | None = None) -> float:
@@ -142,6 +143,8 @@ class DiffusionEngine:
         self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
         self._reference_copy = None
         self._old_copy = None
+        self._teachers: dict[str, object] = {}
+        self._teacher_cond: tuple | None = None  # (source, prompts, cond) of the last micro-batch the teacher encoded
         self.master_weights: precision.MasterWeights | None = None
         self.sharded = False
         self._fused = None
@@ -305,8 +308,50 @@ class DiffusionEngine:
                 raise ValueError(f"the objective's reference is the LoRA adapter {reference.adapter!r}, which this model does not have")
             with lora.adapter_active(self.module, reference.adapter):
                 yield self.adapter
+        elif reference.kind == "teacher":
+            yield self.teacher(reference.source)
         else:
             raise ValueError(f"unknown reference kind {reference.kind!r}; choose one of {Reference.KINDS}")
+
+    def teacher(self, source: str):
+        """The frozen teacher model of ``source`` (a local folder or a Hub id of this engine's family), loaded once by
+        the family's loader (``pipelines.build_adapter``) with the student's ``model.options``, in the engine's compute
+        dtype (``model.dtype``) on its device, in eval mode with every parameter frozen (no gradient ever reaches it).
+        Not sharded or compiled: each rank holds a whole copy.
+
+        Raises:
+            FileNotFoundError / ValueError: the family's loader's one-line error naming the missing folder or file.
+        """
+        if source not in self._teachers:
+            kwargs = {**self.model.adapter_kwargs(), "path": source, "revision": None}
+            teacher = build_adapter(self.model.family, **kwargs)
+            for module in (teacher.denoiser, getattr(teacher, "text_encoder", None)):
+                if isinstance(module, torch.nn.Module):
+                    module.eval().requires_grad_(False)
+            self._teachers[source] = teacher
+        return self._teachers[source]
+
+    def reference_cond(self, reference: Reference | None, batch: TensorDict) -> TensorDict:
+        """The conditioning ``reference`` reads for ``batch``'s rows: the recorded ``batch["cond"]``, or for a ``teacher``
+        the batch's prompts (non-tensor ``prompts``) encoded by the teacher's own text encoder, one prompt per call as the
+        rollout encodes them (so a teacher whose weights equal the student's gets the recorded conditioning exactly)."""
+        if reference is None or reference.kind != "teacher":
+            return batch["cond"]
+        if "prompts" not in batch.keys():
+            raise ValueError(f"the reference is {reference}: it encodes the prompts itself, but the batch carries no 'prompts'")
+        prompts = [str(p) for p in batch.get("prompts").tolist()]
+        cached = self._teacher_cond
+        if cached is None or cached[0] != reference.source or cached[1] != prompts:
+            teacher = self.teacher(reference.source)
+            if getattr(teacher, "editing", False):
+                raise ValueError(f"a teacher of an editing family ({type(teacher).__name__}) needs the source images, which this engine does not pass; "
+                                 "use a text-to-image family")
+            unique = list(dict.fromkeys(prompts))
+            with torch.no_grad():
+                encoded = torch.cat([teacher.encode([p]) for p in unique])
+            cond = encoded[torch.tensor([unique.index(p) for p in prompts])]
+            self._teacher_cond = cached = (reference.source, prompts, cond)
+        return cached[2]
 
     # -- the old policy (DiffusionNFT's sampling policy) -----------------------------------------
     @property
@@ -384,17 +429,23 @@ class DiffusionEngine:
             self.master_weights.to(device, self.optimizer)
         if hasattr(self.adapter, "text_encoder"):
             self.adapter.text_encoder.to(device)
+        for teacher in self._teachers.values():  # frozen teachers follow the policy
+            teacher.denoiser.to(device)
+            if hasattr(teacher, "text_encoder"):
+                teacher.text_encoder.to(device)
+        self._teacher_cond = None
 
     # -- per-step scoring -----------------------------------------------------------------------
-    def _score_step(self, adapter, batch: TensorDict, k: int):
-        """Step ``k`` of ``batch`` under ``adapter``: the SDE step scoring the recorded next latent."""
+    def _score_step(self, adapter, batch: TensorDict, k: int, cond: TensorDict | None = None):
+        """Step ``k`` of ``batch`` under ``adapter``: the SDE step scoring the recorded next latent (``cond``: another
+        conditioning than the recorded ``batch["cond"]``, a teacher's)."""
         device = self.adapter.device
         latents = batch["latents"]
         x = latents[:, k].to(device)
         x_next = latents[:, k + 1].to(device)
         sigma = batch["sigmas"][:, k].to(device)
         sigma_next = batch["sigmas"][:, k + 1].to(device)
-        out = adapter.predict(x, sigma, batch["cond"].to(device), self.sampler.guidance_scale)
+        out = adapter.predict(x, sigma, (batch["cond"] if cond is None else cond).to(device), self.sampler.guidance_scale)
         return run_step(
             self.sampler.kind, out, x, sigma, sigma_next, noise_level=self.sampler.noise_level,
             prediction_type=getattr(self.adapter, "prediction_type", "flow"), prev_sample=x_next, clip_sample=self.sampler.clip_sample,
@@ -470,7 +521,8 @@ class DiffusionEngine:
         reference = objective.spec.reference
         if reference is not None:
             with torch.no_grad(), self.reference_policy(reference) as ref:
-                ref_out = self._score_step(ref, batch, k)
+                cond = self.reference_cond(reference, batch) if reference.kind == "teacher" else None
+                ref_out = self._score_step(ref, batch, k, cond)
             step_out.update(ref_mean=ref_out.mean, ref_log_prob=ref_out.log_prob)
         return step_out
 

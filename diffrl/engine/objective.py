@@ -13,10 +13,12 @@ the algorithms, which sit a layer above). Two kinds of objective implement it:
 
 * :class:`StepObjective` (``Granularity.STEP``): ``objective(step, batch, k) -> (loss, metrics)`` on one trained
   step ``k`` of a micro-batch; ``step`` holds ``log_prob``, ``mean`` and ``std`` of the current policy and, when the
-  spec names a reference, ``ref_mean`` and ``ref_log_prob`` of that reference (scored by the engine).
+  spec names a reference, ``ref_mean`` and ``ref_log_prob`` of that reference (scored by the engine on the same
+  recorded states; a ``teacher`` reference with its own conditioning of the batch's prompts).
 * :class:`MicroBatchObjective` (``Granularity.MICRO_BATCH``): ``micro_losses(engine, micro, seed)`` yields
   ``(loss, weight, metrics)`` pieces whose weights sum to one (objectives on re-noised clean samples: NFT, AWM, DPO,
-  DGPO); such an objective runs its reference through ``engine.reference_policy(spec.reference)``.
+  DGPO); such an objective runs its reference through ``engine.reference_policy(spec.reference)``, conditioned on
+  ``engine.reference_cond(spec.reference, micro)``.
 
 A plain function ``(step, batch, k) -> (loss, metrics)`` (tests, benchmarks) is a step objective with no reference
 (:func:`as_objective`).
@@ -65,29 +67,38 @@ class Pairs(str, enum.Enum):
 
 @dataclass(frozen=True)
 class Reference:
-    """The policy an objective compares the trained one with (its KL anchor, or DPO's reference).
+    """The policy an objective compares the trained one with (its KL anchor, DPO's reference, a distillation teacher).
 
-    ``kind``: ``base`` (the actor with its LoRA disabled; full fine-tuning: a frozen copy of the initial weights) or
+    ``kind``: ``base`` (the actor with its LoRA disabled; full fine-tuning: a frozen copy of the initial weights),
     ``adapter`` (the LoRA adapter named ``adapter``: ``old`` is GARDO's adaptive reference; full fine-tuning: the
-    old policy's frozen copy). A new kind (e.g. a second frozen model as a teacher) is one more value here and one
-    more branch of ``DiffusionEngine.reference_policy``; nothing else reads it.
+    old policy's frozen copy) or ``teacher`` (a second model of the same family loaded from ``source``, a local folder
+    or a Hub id, by the family's loader: frozen, in eval mode, in the engine's compute dtype; it encodes the prompts
+    with its own text encoder, so a teacher whose encoder differs from the student's still reads them right). A new
+    kind is one more value here and one more branch of ``DiffusionEngine.reference_policy``; nothing else reads it.
     """
 
     kind: str
     adapter: str | None = None
+    source: str | None = None
+    """``teacher``: the teacher model's folder or Hub id"""
 
-    KINDS: ClassVar[tuple[str, ...]] = ("base", "adapter")
+    KINDS: ClassVar[tuple[str, ...]] = ("base", "adapter", "teacher")
 
     def __post_init__(self):
         if self.kind not in self.KINDS:
             raise ValueError(f"unknown reference kind {self.kind!r}; choose one of {self.KINDS}")
         if (self.kind == "adapter") != bool(self.adapter):
             raise ValueError(f"reference kind {self.kind!r}: an adapter name is given exactly with kind 'adapter', got adapter={self.adapter!r}")
+        if (self.kind == "teacher") != bool(self.source):
+            raise ValueError(f"reference kind {self.kind!r}: a source (the teacher's folder or Hub id) is given exactly with kind 'teacher', "
+                             f"got source={self.source!r}")
         if self.adapter in ("current", "default"):
             raise ValueError(f"reference adapter {self.adapter!r} is the trained policy itself; name another adapter")
 
     def __str__(self) -> str:
-        return self.kind if self.kind != "adapter" else f"adapter {self.adapter!r}"
+        if self.kind == "adapter":
+            return f"adapter {self.adapter!r}"
+        return f"teacher {self.source!r}" if self.kind == "teacher" else self.kind
 
 
 BASE = Reference("base")
