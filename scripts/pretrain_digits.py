@@ -16,6 +16,8 @@ Seeded end to end. Steps:
    fidelity gold). Every ``--eval-every`` steps the gold accuracy, realness and fidelity gold of
    10-step ODE samples (eval seeds) are measured; training stops after ``--max-steps`` or at the first
    evaluation at or above ``--stop-at-gold`` / ``--stop-at-real``.
+   The OPD teacher (``assets/digits_teacher``, transformer and text encoder only) is the base trained 1500 steps
+   longer with every prompt's colour right: ``--init assets/digits --colour-noise 0 --max-steps 1500 --eval-every 500``.
    The base shipped before 2026-12-05 (stopped at gold 0.43 after 400 steps; no sample within reach of a
    real digit): ``--colour-noise 0 --max-steps 6000 --eval-every 200 --stop-at-gold 0.35``.
 3. ``metadata.json`` records every number (classifier accuracies, base gold, realness and fidelity
@@ -102,7 +104,7 @@ def base_scores(adapter, judge: DigitsClassifier, guidance_scale: float, seeds_p
 def train_generator(judge: DigitsClassifier, args) -> tuple[DigitsAdapter, dict]:
     intens, labels = load_digit_intensities()
     torch.manual_seed(args.seed)
-    adapter = DigitsAdapter(path=None, seed=args.seed)
+    adapter = DigitsAdapter(path=args.init, seed=args.seed)  # --init: go on training a shipped generator
     te = adapter.text_encoder.requires_grad_(True).train()
     model = adapter.denoiser.train()
     params = list(model.parameters()) + list(te.parameters())
@@ -168,6 +170,8 @@ def main(argv=None) -> None:
                     help="share of training prompts whose colour is replaced by a random one (the digit's shape stays the "
                          "prompt's: a generator that draws real digits but follows the prompt's colour less often)")
     ap.add_argument("--guidance-scale", type=float, default=1.0, help="CFG scale of the base-accuracy evaluation")
+    ap.add_argument("--init", default=None,
+                    help="go on training this generator folder (transformer/ and text_encoder/, e.g. assets/digits) instead of random weights")
     args = ap.parse_args(argv)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     out = Path(args.out)
