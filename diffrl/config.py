@@ -24,6 +24,10 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-
 DTYPES = ("float32", "bfloat16", "float16")
 
 
+class ConfigError(ValueError):
+    """A config that cannot be composed (unknown key, bad value, unknown group option)."""
+
+
 @dataclass(frozen=True)
 class Check:
     """The valid values of one config key: a numeric range (``lo``/``hi``, open or closed) or ``choices``.
@@ -470,6 +474,48 @@ class DistributedConfig:
     """Ray: GPUs per rollout replica (fractions share a GPU with the actor)"""
     num_cpus_per_rollout: float = 1.0
     """Ray: CPUs per rollout replica"""
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """A run's batch arithmetic, derived once from its global sizes (``trainer.prompts_per_step`` ×
+    ``trainer.group_size``), its ranks (``distributed.num_workers``, ``model.sequence_parallel``) and the algorithm's
+    ``mini_batch_size``; the checks, the algorithm (``RunContext.batch``) and the rollout request read it."""
+
+    prompts_per_step: int
+    group_size: int
+    num_workers: int = 1
+    sequence_parallel: int = 1
+    """ranks that share one data-parallel group's samples"""
+    mini_batch_size: int = 0
+    """algorithm.mini_batch_size (0: one mini-batch of the whole step)"""
+
+    @classmethod
+    def of(cls, trainer: Any, distributed: Any = None, model: Any = None, algorithm: Any = None) -> "BatchPlan":
+        """The plan of the sizes in ``trainer`` (and, when given, ``distributed``, ``model`` and ``algorithm``)."""
+        return cls(
+            prompts_per_step=int(trainer.prompts_per_step), group_size=int(trainer.group_size),
+            num_workers=int(distributed.num_workers) if distributed is not None else 1,
+            sequence_parallel=int(getattr(model, "sequence_parallel", 1) or 1) if model is not None else 1,
+            mini_batch_size=int(algorithm.mini_batch_size or 0) if algorithm is not None else 0,
+        )
+
+    @property
+    def rows(self) -> int:
+        """Trajectories of one RL step: ``prompts_per_step × group_size``."""
+        return self.prompts_per_step * self.group_size
+
+    @property
+    def mini_batch(self) -> int:
+        """Rows of one optimizer step (the whole step when ``mini_batch_size`` is 0)."""
+        return self.mini_batch_size or self.rows
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel groups: groups of ``sequence_parallel`` ranks share their samples (a ``sequence_parallel`` that
+        does not divide ``num_workers`` is refused with the workers, and counts as one rank a group here)."""
+        k, W = self.sequence_parallel, self.num_workers
+        return W // k if k > 1 and W % k == 0 else W
 
 
 EVAL_KEYS = ("eval_prompts", "eval_num_prompts", "eval_every", "eval_seeds_per_prompt", "eval_seed", "max_grid_images", "ema",

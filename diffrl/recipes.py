@@ -13,26 +13,27 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import importlib.util
 import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from diffrl.algorithms import ALGORITHMS, Algorithm, Pairs, algorithm_class, check_config, group_class, registered_where
 from diffrl.algorithms.policy_gradient import PolicyGradientConfig
-from diffrl.config import MOVED_KEYS, Check, DistributedConfig, EvalConfig, ModelConfig, RewardConfig, SamplerConfig, TrainerConfig, eval_metric_names
+from diffrl.config import (
+    MOVED_KEYS, BatchPlan, Check, ConfigError, DistributedConfig, EvalConfig, ModelConfig, RewardConfig, SamplerConfig, TrainerConfig,
+    eval_metric_names,
+)
 from diffrl.data import prompt_texts
-from diffrl.engine.lora import check_lora_experts
+from diffrl.distributed.checks import validate_distributed
+from diffrl.engine.checks import validate_model
 from diffrl.hub import HubError, cache_dir, is_hub_ref, offline, resolve_weights
-from diffrl.selection import metric_key
-from diffrl.sampling.schedules import WINDOW_KINDS
-from diffrl.sampling.sde import ODE_SOLVERS, STEP_KINDS
-from pipelines.base import check_adapter_options, family_class, resolve_model_path
+from diffrl.sampling.checks import validate_sampler
+from diffrl.sampling.evaluation_checks import validate_evaluation
+from pipelines.base import family_class, resolve_model_path
 from rewards.base import RewardError, missing_extra, registered_names, resolve_reward
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
@@ -52,10 +53,6 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
-
-
-class ConfigError(ValueError):
-    """A config that cannot be composed (unknown key, bad value, unknown group option)."""
 
 
 def _register() -> None:
@@ -354,89 +351,20 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-def check_backend(dist: DistributedConfig) -> None:
-    """The backend can run the workers asked for, before any size is checked: ``local`` runs one worker in this
-    process; ``ray`` needs Ray installed (one line naming the ``pip install`` when it is not)."""
-    W, R = int(dist.num_workers), int(dist.rollout_replicas)
-    if dist.backend == "local" and W > 1:
-        raise ValueError(f"distributed.backend=local runs one worker in this process; for distributed.num_workers={W} set distributed.backend=ray "
-                         "(pip install -e '.[ray]'), or distributed.num_workers=1")
-    if dist.backend == "ray" or R:
-        if importlib.util.find_spec("ray") is None:
-            raise ValueError(f"{'distributed.backend=ray' if dist.backend == 'ray' else f'distributed.rollout_replicas={R}'} needs Ray, which is not "
-                             "installed: pip install -e '.[ray]'")
-
-
 def check_sizes(cfg: Config | DictConfig, *, backend: bool = True) -> None:
-    """Global sizes against workers and mini-batches, before any work: a clear error with valid sizes. The backend first
-    (:func:`check_backend`) unless ``backend`` is false (``diffrl plan`` plans N Ray ranks on a machine without Ray)."""
-    t, dist, a = cfg.trainer, cfg.distributed, cfg.algorithm
-    if t.prompts_per_step < 1 or t.group_size < 1:
-        raise ValueError(f"trainer.prompts_per_step and trainer.group_size must be ≥ 1, got {t.prompts_per_step} and {t.group_size}")
-    W = int(dist.num_workers)
-    if W < 1:
-        raise ValueError(f"distributed.num_workers must be ≥ 1, got {W}")
-    if backend:
-        check_backend(dist)
-    batch = t.prompts_per_step * t.group_size
-    mini = a.mini_batch_size or batch
-    if batch % mini:
-        raise ValueError(
-            f"algorithm.mini_batch_size={mini} does not divide the {batch} trajectories of a step "
-            f"(trainer.prompts_per_step × trainer.group_size); valid sizes: {[d for d in range(1, batch + 1) if batch % d == 0]}"
-        )
-    k = int(getattr(cfg.model, "sequence_parallel", 1) or 1)
-    dp = W // k if k > 1 and W % k == 0 else W  # groups of k ranks share their samples (a k not dividing W is refused with the workers)
-    if dp > 1:
-        if batch % dp or mini % dp:
-            valid = [d for d in range(dp, batch + 1, dp) if batch % d == 0]
-            over = f"distributed.num_workers={W}" if dp == W else f"{dp} data-parallel groups (distributed.num_workers={W} / model.sequence_parallel={k})"
-            raise ValueError(
-                f"{batch} trajectories per step (mini-batches of {mini}) cannot be split evenly over {over}: "
-                f"prompts_per_step × group_size and algorithm.mini_batch_size must be multiples of {dp} "
-                f"(valid mini_batch_size values: {valid})"
-            )
-    if W > 1:
-        if not cfg.model.fsdp:
-            raise ValueError(
-                f"model.fsdp=false with distributed.num_workers={W}: the workers would train unsynchronised copies (gradients are "
-                "averaged by FSDP2); keep model.fsdp=true or use distributed.num_workers=1"
-            )
-        if cfg.model.fuse_lora_rollout and not int(dist.rollout_replicas):
-            raise ValueError(
-                f"model.fuse_lora_rollout=true with distributed.num_workers={W}: the actor ranks sample with FSDP2-sharded weights, which "
-                "cannot be fused; use rollout replicas (distributed.rollout_replicas ≥ 1, whole weights), distributed.num_workers=1 or model.fuse_lora_rollout=false"
-            )
-    if cfg.model.fuse_lora_rollout and int(cfg.model.lora.rank) == 0:
-        raise ValueError("model.fuse_lora_rollout=true needs a LoRA adapter (model.lora.rank > 0); full fine-tuning has nothing to fuse")
-    if cfg.eval.ema and int(cfg.model.lora.rank) == 0:
-        raise ValueError("eval.ema=true keeps an EMA of the LoRA (model.lora.rank > 0); full fine-tuning has none: train a LoRA or set eval.ema=false")
-    C = int(cfg.reward.async_chunks)
-    if C < 1 or t.prompts_per_step % C:
-        valid = [d for d in range(1, t.prompts_per_step + 1) if t.prompts_per_step % d == 0]
-        raise ValueError(f"reward.async_chunks={C} must divide trainer.prompts_per_step={t.prompts_per_step} (chunks are whole prompt groups); valid: {valid}")
-    if dp > 1 and (batch // C) % dp:
-        valid = [d for d in range(1, t.prompts_per_step + 1) if t.prompts_per_step % d == 0 and (batch // d) % dp == 0]
-        over = f"distributed.num_workers={W}" if dp == W else f"the {dp} data-parallel groups"
-        raise ValueError(f"reward.async_chunks={C} gives chunks of {batch // C} rollouts, not divisible by {over}; valid: {valid}")
-    R, k = int(dist.rollout_replicas), int(dist.max_staleness)
-    if R and dist.backend != "ray":
-        raise ValueError(f"distributed.rollout_replicas={R} needs distributed.backend=ray (each replica is a Ray actor beside the actor ranks)")
-    if k and not R:
-        raise ValueError(f"distributed.max_staleness={k} needs rollout replicas (distributed.rollout_replicas ≥ 1): rollouts on the actor ranks cannot run ahead of training")
-    if R and (batch // C) % R:
-        valid = [d for d in range(1, batch // C + 1) if (batch // C) % d == 0]
-        raise ValueError(f"distributed.rollout_replicas={R} must divide the {batch // C} rollouts of a request (prompts_per_step × group_size / reward.async_chunks); valid: {valid}")
-    if k and C > 1:
-        raise ValueError(f"reward.async_chunks={C} with distributed.max_staleness={k}: off-policy rollouts already overlap rewards with sampling; set reward.async_chunks=1")
+    """Global sizes against workers and mini-batches, before any work: a clear error with valid sizes
+    (``diffrl.distributed.checks.validate_distributed`` on the run's :class:`~diffrl.config.BatchPlan`). The backend first unless
+    ``backend`` is false (``diffrl plan`` plans N Ray ranks on a machine without Ray)."""
+    batch = BatchPlan.of(cfg.trainer, cfg.distributed, cfg.model, cfg.algorithm)
+    validate_distributed(cfg.distributed, batch, cfg.model, async_chunks=int(cfg.reward.async_chunks), ema=bool(cfg.eval.ema), backend=backend)
 
 
-def check_algorithm(cfg: Config | DictConfig, algorithm: Algorithm) -> bool:
+def check_algorithm(cfg: Config | DictConfig, algorithm: Algorithm) -> None:
     """The run's settings against what its algorithm's objective declares (``algorithm.spec``, an
     :class:`~diffrl.algorithms.ObjectiveSpec`), before any work: off-policy rollouts (replicas with staleness, FP8
     rollouts) need an objective that corrects them; replicas cannot sync a full fine-tune's old policy; offline
-    preference pairs have no source images for an editing family. Returns whether the rollouts sample another policy
-    (FP8) that the objective corrects."""
+    preference pairs have no source images for an editing family. Returns nothing: what the run does follows from
+    the settings and the declared spec (``diffrl.rollout_driver.low_precision_rollouts``)."""
     d, m = cfg.distributed, cfg.model
     spec = algorithm.spec
     corrects = spec.corrects_off_policy  # its loss weights behaviour log-probs by truncated IS
@@ -456,7 +384,6 @@ def check_algorithm(cfg: Config | DictConfig, algorithm: Algorithm) -> bool:
     if spec.pairs is Pairs.OFFLINE and getattr(family_class(m.family), "editing", False):
         raise ValueError(f"algorithm.preference_pairs (offline DPO pairs) has no source images, and model family {m.family!r} edits images; "
                          "train it with online pairs (unset algorithm.preference_pairs) or another algorithm")
-    return m.rollout_precision != "model" and corrects
 
 
 def validate(cfg: Config | DictConfig, *, hub_cache: bool = True) -> Config:
@@ -472,31 +399,16 @@ def validate(cfg: Config | DictConfig, *, hub_cache: bool = True) -> Config:
     for key, value, check in sorted(checked_keys(cfg), key=lambda item: not item[0].startswith(first)):
         if value is not None and not check.ok(value):
             raise ConfigError(f"{key}={value!r} is invalid: it must be {check.describe()}")
-    s, m, r, a = cfg.sampler, cfg.model, cfg.reward, cfg.algorithm
-    _require(s.kind in STEP_KINDS, f"sampler.kind={s.kind!r} is invalid: it must be one of {', '.join(sorted(STEP_KINDS))}")
-    _require(s.ode_solver in ODE_SOLVERS, f"sampler.ode_solver={s.ode_solver!r} is invalid: it must be one of {', '.join(ODE_SOLVERS)}")
-    _require(s.window in WINDOW_KINDS, f"sampler.window={s.window!r} is invalid: it must be one of {', '.join(WINDOW_KINDS)}")
-    wr = list(s.window_range)
-    _require(
-        not wr or (len(wr) == 2 and all(isinstance(v, int) for v in wr) and 0 <= wr[0] < wr[1] <= s.num_steps),
-        f"sampler.window_range={wr} is invalid: it must be [] or [start, end) with 0 ≤ start < end ≤ sampler.num_steps={s.num_steps}",
-    )
-    span = (wr[1] - wr[0]) if wr else s.num_steps
-    _require(s.window not in ("fast", "mixgrpo") or s.window_size <= span,
-             f"sampler.window_size={s.window_size} is invalid: the {s.window} window must fit in its range of {span} steps (sampler.window_range / num_steps)")
+    m, r, a = cfg.model, cfg.reward, cfg.algorithm
+    validate_sampler(cfg.sampler)
     betas = list(a.betas)
     _require(len(betas) == 2 and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas),
-             f"algorithm.betas={betas} is invalid: it must be two numbers in [0, 1)")
+            f"algorithm.betas={betas} is invalid: it must be two numbers in [0, 1)")
     try:
         check_config(a)
-        check_lora_experts(m.lora.experts, check_adapter_options(m.family, m.adapter_kwargs()), m.family)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    try:
-        device = torch.device(m.device)
-    except RuntimeError as exc:
-        raise ConfigError(f"model.device={m.device!r} is invalid: {exc}") from None
-    _require(device.type != "cuda" or torch.cuda.is_available(), f"model.device={m.device!r} is invalid: torch sees no CUDA device here (use model.device=cpu)")
+    validate_model(m)
     _require(bool(r.names), "reward.names is empty: give at least one reward")
     weights = list(r.weights)
     _require(not weights or len(weights) == len(r.names), f"reward.weights has {len(weights)} entries for {len(r.names)} reward.names; give one weight per reward")
@@ -510,17 +422,7 @@ def validate(cfg: Config | DictConfig, *, hub_cache: bool = True) -> Config:
         if extra:
             raise ConfigError(f"{key}: {extra}")
     check_prompts(cfg)
-    e = cfg.eval
-    if e.select_by is not None:
-        key, _ = metric_key(e.select_by)
-        metrics = eval_metric_names(r)
-        _require(key[len("eval/"):] in metrics or e.select_by.lstrip("-+").startswith("eval/"),
-                 f"eval.select_by={e.select_by} names no evaluation metric: use a held-out judge ({', '.join([*([r.gold] if r.gold else []), *r.judges]) or 'none: set reward.gold or reward.judges'}) "
-                 "or an eval/ key of metrics.jsonl (a leading - selects the lowest)")
-        _require(key[len("eval/"):] not in r.names or bool(e.stop_when_diverging) is False,
-                 f"eval.stop_when_diverging={e.stop_when_diverging} compares the reward with eval.select_by={e.select_by}, which is the reward itself; select by a judge the run does not train on")
-    _require(not e.stop_when_diverging or e.select_by is not None,
-             f"eval.stop_when_diverging={e.stop_when_diverging} needs eval.select_by=<a held-out judge> (what must not fall while the reward rises)")
+    validate_evaluation(cfg.eval, r)
     if hub_cache:
         check_hub_cache(cfg, hub=offline())
     return cfg

@@ -3,7 +3,7 @@
 the replicas (bounded staleness); trajectories of another policy than the trained one (stale replica weights,
 FP8 rollouts) get the trained policy marked as the proximal policy of the loss's truncated importance weights.
 Each step's request (:func:`rollout_request`) carries its prompts, per-sample seeds and the algorithm's plan for
-the training window's masks (:func:`build_window`, :func:`window_masks`)."""
+the training window's masks (``diffrl.sampling.schedules.build_window``, :func:`window_masks`)."""
 
 from __future__ import annotations
 
@@ -13,32 +13,17 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
-from omegaconf import DictConfig
 from tensordict import TensorDict
 
-from diffrl.algorithms import Algorithm
+from diffrl.algorithms import Algorithm, RunContext
 from diffrl.data import sample_metadata
 from diffrl.distributed import WorkerGroup
 from diffrl.distributed.rollout import RolloutReplicas
-from diffrl.recipes import Config
 from diffrl.sampling.request import sample_batch
 from diffrl.sampling.schedules import TrainingWindow
 from diffrl.sampling.seeding import Stream, derive
 from pipelines.base import split_prompts
 from rewards.base import score
-
-
-def build_window(cfg: Config) -> TrainingWindow:
-    """The run's training window (``sampler.window`` and its settings; seeded by ``trainer.seed``)."""
-    s = cfg.sampler
-    window_range = list(s.window_range) or [0, s.num_steps]
-    if len(window_range) != 2:
-        raise ValueError(f"sampler.window_range must be [start, end), got {window_range}")
-    return TrainingWindow(
-        s.window, s.num_steps, seed=cfg.trainer.seed, timestep_fraction=s.timestep_fraction, size=s.window_size,
-        range_start=window_range[0], range_end=window_range[1], shift=s.window_shift, shift_every=s.window_shift_every,
-        frozen=s.window_frozen,
-    )
 
 
 def window_masks(window: TrainingWindow, step: int):
@@ -51,20 +36,26 @@ def window_masks(window: TrainingWindow, step: int):
     return window.masks(step)
 
 
-def rollout_request(cfg: Config, algorithm: Algorithm, step_prompts: list, masks, step: int) -> TensorDict:
-    """RL step ``step``'s rollout request: per-sample seeds (stream ``ROLLOUT``), groups of
-    ``trainer.group_size``, the prompts and the algorithm's :class:`~diffrl.algorithms.RolloutPlan` (for the
-    window's ``masks``) with its objective's declared ``record_means`` (``Algorithm.rollout_request``) as non-tensor
-    flags."""
-    t = cfg.trainer
+def rollout_request(run: RunContext, algorithm: Algorithm, step_prompts: list, masks, step: int) -> TensorDict:
+    """RL step ``step``'s rollout request: per-sample seeds (stream ``ROLLOUT`` of ``run.seed``), groups of
+    ``trainer.group_size`` (``run.batch``), the prompts and the algorithm's :class:`~diffrl.algorithms.RolloutPlan` (for
+    the window's ``masks``) with its objective's declared ``record_means`` (``Algorithm.rollout_request``) as non-tensor
+    flags; the sampler's micro-batch and initial-noise settings from ``run.sampler``."""
     prompts, sources = split_prompts(step_prompts)
-    G = t.group_size
-    request = algorithm.rollout_request(masks, int(cfg.sampler.micro_batch_size) if cfg.sampler.micro_batch_size else None)
+    seed, G, sampler = run.seed, run.batch.group_size, run.sampler
+    request = algorithm.rollout_request(masks, int(sampler.micro_batch_size) if sampler.micro_batch_size else None)
     return sample_batch(
-        [p for p in prompts for _ in range(G)], [derive(t.seed, Stream.ROLLOUT, step, j, s) for j in range(len(prompts)) for s in range(G)], request,
+        [p for p in prompts for _ in range(G)], [derive(seed, Stream.ROLLOUT, step, j, s) for j in range(len(prompts)) for s in range(G)], request,
         group_id=torch.arange(len(prompts)).repeat_interleave(G), source_images=None if sources is None else sources.repeat_interleave(G, dim=0),
-        init_seeds=[derive(t.seed, Stream.INITIAL_NOISE, step, j) for j in range(len(prompts)) for _ in range(G)] if cfg.sampler.same_initial_noise else None,
+        init_seeds=[derive(seed, Stream.INITIAL_NOISE, step, j) for j in range(len(prompts)) for _ in range(G)] if sampler.same_initial_noise else None,
     )
+
+
+def low_precision_rollouts(rollout_precision: str, algorithm: Algorithm) -> bool:
+    """Whether the rollouts sample another policy than the trained one (``model.rollout_precision`` other than ``model``:
+    FP8) that the objective corrects by truncated importance weights (its declared ``spec.corrects_off_policy``); the
+    driver then marks the trained policy as the proximal one (:meth:`RolloutDriver.mark_proximal`)."""
+    return rollout_precision != "model" and algorithm.spec.corrects_off_policy
 
 
 def sources_of(traj: TensorDict) -> torch.Tensor | None:
@@ -76,18 +67,21 @@ class RolloutDriver:
     """The trainer's source of scored trajectories.
 
     Args:
-        cfg: the run's config; algorithm: its algorithm (which steps need a rollout, optimizer steps per RL step).
+        algorithm: the run's algorithm (which steps need a rollout, optimizer steps per RL step, its objective's spec).
         workers: the actor worker group; replicas: the rollout replicas (None: the actor ranks sample).
         rewards: ``name → (reward, weight)``; prompt_metadata: the prompt set's per-prompt rows.
         request_fn: RL step → its rollout request (``Trainer.rollout_request``).
-        low_precision_rollouts: the rollouts sample another policy (FP8) whose loss corrects it.
+        steps: ``trainer.steps``; max_staleness: ``distributed.max_staleness``; async_chunks: ``reward.async_chunks``.
+        rollout_precision: ``model.rollout_precision``: other than ``model`` (FP8), the rollouts sample another policy,
+            which the objective corrects (``spec.corrects_off_policy``; ``recipes.check_algorithm`` refuses one that does not).
     """
 
-    def __init__(self, cfg: Config | DictConfig, algorithm: Algorithm, workers: WorkerGroup, replicas: RolloutReplicas | None, rewards: dict,
-                 prompt_metadata, request_fn: Callable[[int], TensorDict], low_precision_rollouts: bool):
-        self.cfg, self.algorithm, self.workers, self.replicas = cfg, algorithm, workers, replicas
+    def __init__(self, algorithm: Algorithm, workers: WorkerGroup, replicas: RolloutReplicas | None, rewards: dict, prompt_metadata,
+                 request_fn: Callable[[int], TensorDict], *, steps: int, max_staleness: int, async_chunks: int, rollout_precision: str):
+        self.algorithm, self.workers, self.replicas = algorithm, workers, replicas
         self.rewards, self.prompt_metadata, self.request_fn = rewards, prompt_metadata, request_fn
-        self.low_precision_rollouts = low_precision_rollouts
+        self.steps, self.max_staleness, self.async_chunks = steps, max_staleness, async_chunks
+        self.low_precision_rollouts = low_precision_rollouts(rollout_precision, algorithm)
         self.start(0)
 
     def start(self, step: int) -> None:
@@ -98,7 +92,7 @@ class RolloutDriver:
     def rollouts(self, step: int, times: dict) -> tuple[TensorDict, dict[str, torch.Tensor], dict]:
         """Step ``step``'s trajectories, their scores and the record's rollout entries (rewards' means, the behaviour
         weights' version and staleness with replicas)."""
-        if self.replicas is not None and self.cfg.distributed.max_staleness:
+        if self.replicas is not None and self.max_staleness:
             traj, scores = self.off_policy_rollout(step, times)
         else:
             traj, scores = self.rollout_and_score(step, times)
@@ -126,7 +120,7 @@ class RolloutDriver:
         ``time/reward_wait`` (sampling done, waiting for the last scores) in ``times``.
         """
         request = self.request_fn(step)
-        chunks = int(self.cfg.reward.async_chunks)
+        chunks = self.async_chunks
         metadata = {"step": step}
 
         def timed_score(traj: TensorDict) -> tuple[dict, float]:
@@ -175,8 +169,7 @@ class RolloutDriver:
         the first steps ``j``). Sets ``time/rollout`` (the replicas' sampling), ``time/rollout_wait`` (the
         driver waiting for it) and ``time/reward``.
         """
-        steps = self.cfg.trainer.steps
-        while self._next_rollout <= min(step + int(self.cfg.distributed.max_staleness), steps - 1):
+        while self._next_rollout <= min(step + self.max_staleness, self.steps - 1):
             if self.algorithm.needs_rollout(self._next_rollout):
                 self._rollout_queue[self._next_rollout] = self.replicas.submit(self.request_fn(self._next_rollout))
             self._next_rollout += 1
@@ -218,4 +211,4 @@ class RolloutDriver:
         times["time/proximal"] = time.perf_counter() - start
 
 
-__all__ = ["RolloutDriver", "build_window", "rollout_request", "sources_of", "window_masks"]
+__all__ = ["RolloutDriver", "low_precision_rollouts", "rollout_request", "sources_of", "window_masks"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 from omegaconf import DictConfig
 
 from diffrl.algorithms import Algorithm, RunContext, build_algorithm
+from diffrl.config import BatchPlan
 from diffrl.distributed import WorkerGroup, build_worker_group
 from diffrl.distributed.rollout import RolloutReplicas
 from diffrl.distributed.workers import ActorRolloutRefWorker, WorkerConfig
@@ -16,16 +17,17 @@ from diffrl.recipes import Config, to_config
 from rewards.base import build_reward
 
 
-def run_context(cfg: Config) -> RunContext:
-    """What the algorithm needs of the run: the seed, the global sizes, the sampler and each reward's weight."""
+def run_context(cfg: Config, batch: BatchPlan | None = None) -> RunContext:
+    """What the algorithm needs of the run: the seed, the batch arithmetic (``batch``, else the plan of ``cfg``'s sizes,
+    :class:`~diffrl.config.BatchPlan`), the sampler and each reward's weight."""
     names, weights = list(cfg.reward.names), list(cfg.reward.weights) or [1.0] * len(cfg.reward.names)
     if not names:
         raise ValueError("reward.names is empty: give at least one reward")
     if len(weights) != len(names):
         raise ValueError(f"reward.weights has {len(weights)} entries for {len(names)} reward.names; give one weight per reward")
-    t = cfg.trainer
-    return RunContext(seed=int(t.seed), prompts_per_step=int(t.prompts_per_step), group_size=int(t.group_size), sampler=cfg.sampler,
-                      reward_weights={n: float(w) for n, w in zip(names, weights)})
+    batch = batch or BatchPlan.of(cfg.trainer, cfg.distributed, cfg.model, cfg.algorithm)
+    return RunContext(seed=int(cfg.trainer.seed), prompts_per_step=batch.prompts_per_step, group_size=batch.group_size, sampler=cfg.sampler,
+                      reward_weights={n: float(w) for n, w in zip(names, weights)}, batch=batch)
 
 
 def worker_config(cfg: Config | DictConfig, algorithm: Algorithm | None = None) -> WorkerConfig:

@@ -31,15 +31,18 @@ from tensordict import TensorDict
 
 from diffrl import checkpoint
 from diffrl.algorithms import build_algorithm
+from diffrl.config import BatchPlan
 from diffrl.data import check_edit_prompts, eval_subset, run_prompts, step_prompts
 from diffrl.distributed import WorkerLostError
+from diffrl.distributed.checks import validate_distributed
 from diffrl.logging import Progress, RunLogger
-from diffrl.recipes import Config, check_algorithm, check_sizes, validate
+from diffrl.recipes import Config, check_algorithm, validate
 from diffrl.resume import checkpoint_path, cut_records, fingerprint, pick_checkpoint, set_aside
-from diffrl.rollout_driver import RolloutDriver, build_window, rollout_request, window_masks
+from diffrl.rollout_driver import RolloutDriver, rollout_request, window_masks
 from diffrl.run_evaluation import RunEvaluation, eval_line
 from diffrl.run_report import throughput
 from diffrl.run_setup import build_rewards, build_workers, run_context, worker_config
+from diffrl.sampling.schedules import build_window
 from rewards.base import RewardError
 
 
@@ -63,12 +66,13 @@ class Trainer:
         t = cfg.trainer
         if t.threads:
             torch.set_num_threads(int(t.threads))
-        check_sizes(cfg)
+        self.batch = BatchPlan.of(t, cfg.distributed, cfg.model, cfg.algorithm)  # the batch arithmetic, once
+        validate_distributed(cfg.distributed, self.batch, cfg.model, async_chunks=int(cfg.reward.async_chunks), ema=bool(cfg.eval.ema))
         self.output_dir = Path(t.output_dir or f"outputs/{cfg.experiment}-{datetime.now():%Y%m%d-%H%M%S}")
-        run = run_context(cfg)
+        self.run = run = run_context(cfg, self.batch)
         self.algorithm = build_algorithm(cfg.algorithm, run)
-        self.algorithm.validate(int(cfg.distributed.num_workers))
-        self.low_precision_rollouts = check_algorithm(cfg, self.algorithm)  # FP8 rollouts: another behaviour policy, corrected
+        self.algorithm.validate(self.batch.num_workers)
+        check_algorithm(cfg, self.algorithm)
         self.resume_path, self.damaged, self.notices = None, [], []
         self.restart_from_scratch = False
         self._steps_without_spread = 0  # steps in a row whose groups all had equal rewards (trainer.no_spread_warning)
@@ -77,7 +81,7 @@ class Trainer:
             self.resume_path, self.damaged = self._pick_checkpoint()
             self.restart_from_scratch = self.resume_path is None
         torch.manual_seed(t.seed)
-        self.window = build_window(cfg)
+        self.window = build_window(cfg.sampler, t.seed)
         self.prompts, eval_prompts, self.prompt_metadata = run_prompts(cfg)
         if self.prompts is not None:
             self.prompts = check_edit_prompts(self.prompts, cfg.model.family, cfg.sampler)
@@ -98,8 +102,10 @@ class Trainer:
         config = worker_config(self.cfg, self.algorithm)
         self.workers, self.replicas = build_workers(self.cfg, config)
         self.workers.set_loss_fn(self.algorithm.objective())
-        self.driver = RolloutDriver(self.cfg, self.algorithm, self.workers, self.replicas, self.rewards, self.prompt_metadata, self.rollout_request,
-                                    self.low_precision_rollouts)
+        cfg = self.cfg
+        self.driver = RolloutDriver(self.algorithm, self.workers, self.replicas, self.rewards, self.prompt_metadata, self.rollout_request,
+                                    steps=int(cfg.trainer.steps), max_staleness=int(cfg.distributed.max_staleness),
+                                    async_chunks=int(cfg.reward.async_chunks), rollout_precision=cfg.model.rollout_precision)
         self.flops = self.workers.flops_counter(self.cfg.trainer.peak_flops)
         self.algorithm.setup(self.workers)
 
@@ -115,11 +121,11 @@ class Trainer:
 
     def step_prompts(self, step: int) -> list[str]:
         """The step's prompts (``diffrl.data.step_prompts``)."""
-        return step_prompts(self.prompts, step, self.cfg.trainer.prompts_per_step, self.cfg.trainer.seed)
+        return step_prompts(self.prompts, step, self.batch.prompts_per_step, self.run.seed)
 
     def rollout_request(self, step: int) -> TensorDict:
         """The step's rollout request (:func:`diffrl.rollout_driver.rollout_request`)."""
-        return rollout_request(self.cfg, self.algorithm, self.step_prompts(step), window_masks(self.window, step), step)
+        return rollout_request(self.run, self.algorithm, self.step_prompts(step), window_masks(self.window, step), step)
 
     # -- the loop -------------------------------------------------------------------------------
     def fit(self) -> dict:

@@ -12,8 +12,9 @@ from diffrl.distributed.workers import ActorRolloutRefWorker
 from diffrl.recipes import compose
 from diffrl.sampling.evaluator import Evaluator, evaluate, local_generate
 from diffrl.sampling.request import REQUEST_KEY, SampleRequest, sample_batch
-from diffrl.rollout_driver import build_window, rollout_request
+from diffrl.rollout_driver import rollout_request
 from diffrl.run_setup import run_context, worker_config
+from diffrl.sampling.schedules import build_window
 from rewards.base import build_reward
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -23,8 +24,8 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 def test_rollout_request_carries_the_plan_typed(experiment, record_means):
     cfg = compose([f"experiment={experiment}", "trainer.prompts_per_step=2", "trainer.group_size=3", "sampler.micro_batch_size=4"])
     algorithm = build_algorithm(cfg.algorithm, run_context(cfg))
-    masks = build_window(cfg).masks(0)
-    batch = rollout_request(cfg, algorithm, ["a red seven", "a blue two"], masks, 0)
+    masks = build_window(cfg.sampler, cfg.trainer.seed).masks(0)
+    batch = rollout_request(algorithm.run, algorithm, ["a red seven", "a blue two"], masks, 0)
     plan = algorithm.rollout_plan(masks)
     request = SampleRequest.of(batch)
     assert isinstance(request, SampleRequest) and batch.batch_size == torch.Size([6])

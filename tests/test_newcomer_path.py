@@ -18,7 +18,8 @@ from diffrl.algorithms import ALGORITHMS
 from diffrl.config import DistributedConfig
 from diffrl.data import load_prompts, read_prompts
 from diffrl.logging import read_jsonl
-from diffrl.recipes import CONFIG_DIR, ConfigError, check_backend, check_sizes, compose, validate
+from diffrl.distributed.checks import check_backend
+from diffrl.recipes import CONFIG_DIR, ConfigError, check_sizes, compose, validate
 from diffrl.tools.cli import main
 from diffrl.tools.prompts import convert
 from diffrl.trainer import groups_with_spread

@@ -30,8 +30,8 @@ from tensordict import NonTensorStack, TensorDict
 from diffrl.algorithms import build_algorithm
 from diffrl.engine.engine import DiffusionEngine
 from diffrl.recipes import compose
-from diffrl.rollout_driver import build_window
 from diffrl.run_setup import run_context
+from diffrl.sampling.schedules import build_window
 from diffrl.sampling.sde import StepOutput, cps_step, gaussian_log_prob
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -166,7 +166,7 @@ def ours(experiment: str, *overrides: str):
     algorithm = build_algorithm(cfg.algorithm, run_context(cfg))
     loss_fn = algorithm.objective()
     K = int(cfg.sampler.num_steps)
-    trained = build_window(cfg).masks(0).trained
+    trained = build_window(cfg.sampler, cfg.trainer.seed).masks(0).trained
     traj = TensorDict({
         "latents": data["latents"], "sigmas": data["sigmas"].expand(B, K + 1).clone(), "log_probs": _behaviour_log_probs(data),
         "sde_mask": trained.expand(B, K).clone(), "group_id": data["group_id"], "row": torch.arange(B),

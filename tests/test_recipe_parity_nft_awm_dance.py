@@ -27,10 +27,9 @@ from diffrl.algorithms.losses import nft_reward_to_r
 from diffrl.algorithms.objectives import objective_noise, schedule_levels
 from diffrl.engine.engine import DiffusionEngine
 from diffrl.recipes import compose, to_config
-from diffrl.rollout_driver import build_window
 from diffrl.run_setup import build_rewards, run_context
 from diffrl.sampling.rollout import _trained_rows
-from diffrl.sampling.schedules import per_sample_trained
+from diffrl.sampling.schedules import build_window, per_sample_trained
 from diffrl.sampling.seeding import Stream, generator
 from rewards.base import score
 
@@ -353,7 +352,7 @@ def test_dance_grpo_trains_its_own_9_of_the_first_15_steps_per_sample():
     """fastvideo/train_grpo_flux.py:L506-519 drop the last of the 16 steps; L551-572 train, per sample, the first
     int(15·0.6) = 9 of its own randperm of the 15."""
     cfg, _ = recipe("flux_hpsv2_dance_grpo")
-    window = build_window(cfg)
+    window = build_window(cfg.sampler, cfg.trainer.seed)
     masks = window.masks(0)
     assert masks.stochastic.all() and masks.trained.tolist() == [True] * 15 + [False] and masks.per_sample == 9
     seeds = list(range(5000, 7000))
@@ -404,7 +403,7 @@ def test_dance_grpo_flux_recipe_matches_dancegrpo():
                                for k in range(K)], 1)
         nudge = torch.where(torch.rand(B, K, generator=g) < 0.5, 5e-5, 3e-4) * torch.where(torch.rand(B, K, generator=g) < 0.5, 1.0, -1.0)
     batch["log_probs"] = (current + nudge.to(F64)).float()  # the rollout records float32 log-probs
-    batch["sde_mask"] = per_sample_trained(build_window(cfg).masks(0).trained, 9, batch["seeds"].tolist())
+    batch["sde_mask"] = per_sample_trained(build_window(cfg.sampler, cfg.trainer.seed).masks(0).trained, 9, batch["seeds"].tolist())
 
     # advantages: per prompt, (r − mean)/(std + 1e-8) with torch's unbiased std (train_grpo_flux.py:L533-545), clipped at 5
     rewards = torch.tensor([0.30, 0.25, 0.27, 0.31, 0.22, 0.26], dtype=F64)

@@ -36,7 +36,7 @@ import torch
 from omegaconf import OmegaConf
 from tensordict import TensorDict
 
-from diffrl.config import AlgorithmConfig, SamplerConfig
+from diffrl.config import AlgorithmConfig, BatchPlan, SamplerConfig
 from diffrl.engine.objective import (
     BASE,
     OLD,
@@ -104,6 +104,15 @@ class RunContext:
     sampler: SamplerConfig
     reward_weights: dict[str, float]
     """reward name → weight in the sum"""
+    batch: BatchPlan | None = None
+    """the run's batch arithmetic (rows per step, data-parallel groups, mini-batch), built once with the run
+    (``diffrl.run_setup.run_context``); left out, the plan of ``prompts_per_step × group_size`` on one rank"""
+
+    def __post_init__(self) -> None:
+        if self.batch is None:
+            object.__setattr__(self, "batch", BatchPlan(self.prompts_per_step, self.group_size))
+        elif (self.batch.prompts_per_step, self.batch.group_size) != (self.prompts_per_step, self.group_size):
+            raise ValueError(f"RunContext: prompts_per_step={self.prompts_per_step}, group_size={self.group_size} differ from its batch plan {self.batch}")
 
 
 @dataclass
@@ -158,7 +167,7 @@ class Algorithm(abc.ABC):
 
     def rows_per_step(self) -> int:
         """Rows of one RL step's update (trajectories, or pairs for preference learning)."""
-        return self.run.prompts_per_step * self.run.group_size
+        return self.run.batch.rows
 
     def optimizer_steps_per_rl_step(self) -> int:
         rows = self.rows_per_step()
@@ -167,8 +176,7 @@ class Algorithm(abc.ABC):
     def train_forwards(self, record: dict, trained_steps: int) -> tuple[int, int]:
         """``(units, extra_forwards)`` of one RL step's training for the FLOPs counter: ``units``
         sample-steps trained with backward, each with ``extra_forwards`` no-grad forwards beside it."""
-        n = self.run.prompts_per_step * self.run.group_size
-        return n * trained_steps, int(self.config.kl_beta > 0)
+        return self.run.batch.rows * trained_steps, int(self.config.kl_beta > 0)
 
     # -- the update ----------------------------------------------------------------------------------
     def setup(self, workers: Workers) -> None:

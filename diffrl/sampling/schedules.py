@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from diffrl.config import SamplerConfig
 from diffrl.sampling.seeding import Stream, generator
 
 # ------------------------------------------------------------------------------------------------
@@ -164,3 +165,16 @@ class TrainingWindow:
                 f"the config asks for {self.kind!r} over {self.num_steps}; resume with the run's own sampler settings"
             )
         self.position, self.count = int(state["position"]), int(state["count"])
+
+
+def build_window(s: SamplerConfig, seed: int) -> TrainingWindow:
+    """A run's training window from its sampler config (``sampler.window`` and its settings), seeded by ``seed``
+    (``trainer.seed``)."""
+    window_range = list(s.window_range) or [0, s.num_steps]
+    if len(window_range) != 2:
+        raise ValueError(f"sampler.window_range must be [start, end), got {window_range}")
+    return TrainingWindow(
+        s.window, s.num_steps, seed=seed, timestep_fraction=s.timestep_fraction, size=s.window_size,
+        range_start=window_range[0], range_end=window_range[1], shift=s.window_shift, shift_every=s.window_shift_every,
+        frozen=s.window_frozen,
+    )

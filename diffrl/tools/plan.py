@@ -63,9 +63,10 @@ from diffrl.engine.engine import DiffusionEngine
 from diffrl.engine.flops import DEVICE_PEAK_FLOPS
 from diffrl.recipes import compose, validate
 from diffrl.recipes import check_sizes
-from diffrl.rollout_driver import build_window, rollout_request
+from diffrl.rollout_driver import rollout_request
 from diffrl.sampling import rollout, sde
 from diffrl.run_setup import run_context, worker_config
+from diffrl.sampling.schedules import build_window
 from diffrl.tools.plan_rewards import reward_bytes
 from pipelines.base import PARENT_SHAPES, SHAPES, parent_shape_name, published_shape
 
@@ -232,10 +233,10 @@ def step_recipe(cfg, gpus: int, phase, memo=lambda adapter: contextlib.nullconte
     if prompts is None:
         prompts = group.default_prompts() or ["a photograph"]
     step = step_prompts(prompts, 0, t.prompts_per_step, t.seed)
-    window = build_window(cfg)
+    window = build_window(cfg.sampler, t.seed)
 
     def request():  # rank 0's share of the step's request (the data-parallel split takes contiguous slices)
-        return rollout_request(cfg, algorithm, step, window.masks(0), 0)[:per_rank]
+        return rollout_request(run, algorithm, step, window.masks(0), 0)[:per_rank]
 
     with phase("text_encode"):
         if hasattr(adapter, "cache_prompts"):
