@@ -143,7 +143,7 @@ def train(metrics: dict, args, log) -> tuple[DigitsComposeAdapter, dict, dict | 
         if step % args.eval_every == 0 or minutes >= args.max_minutes:
             model.eval(); te.eval()
             with ema_weights(params, ema):
-                scores, scored_at = evaluate_base(adapter, metrics), step
+                scores, scored_at = evaluate_base(adapter, metrics, seeds_per_prompt=args.eval_seeds), step
                 if args.snapshots:  # every evaluated step's weights, for sweeps (benchmarks/learning/compose_sweep.py)
                     adapter.save_pretrained(Path(args.out) / "snapshots" / f"step_{step:06d}")
             model.train(); te.train()
@@ -175,6 +175,7 @@ def main(argv=None) -> None:
     ap.add_argument("--max-steps", type=int, default=4000)
     ap.add_argument("--max-minutes", type=float, default=1000.0)
     ap.add_argument("--eval-every", type=int, default=1000)
+    ap.add_argument("--eval-seeds", type=int, default=4, help="held-out seeds per prompt of each evaluation (the shipped base: 4)")
     ap.add_argument("--stop-at-gold", type=float, default=1.1, help="stop at the first evaluation whose overall gold reaches this (default: never)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu", help="cpu (the shipped base) or cuda (sweeps; other numerics)")
@@ -193,7 +194,7 @@ def main(argv=None) -> None:
     metrics = {"digits_compose": build_reward("digits_compose"), "digits_compose_gold": build_reward("digits_compose_gold", path=str(judge))}
     adapter, gen_meta, last = train(metrics, args, log)
     adapter.save_pretrained(out)
-    base = last if last is not None else evaluate_base(adapter, metrics)
+    base = last if last is not None else evaluate_base(adapter, metrics, seeds_per_prompt=args.eval_seeds)
     judge_meta = json.loads((judge / "metadata.json").read_text()) if (judge / "metadata.json").is_file() else None
     meta = {"args": vars(args), "pretrain_split_seed": PRETRAIN_SPLIT_SEED, "reward_classifier": "assets/digits/reward_classifier",
             "judge": judge_meta, "generator": gen_meta, "base": base}

@@ -263,7 +263,7 @@ def test_pretraining_weights_do_not_depend_on_how_often_it_evaluates(tmp_path):
     for every in (3, 6):
         out = tmp_path / f"every{every}"
         cmd = [sys.executable, "scripts/pretrain_digits_compose.py", "--out", str(out), "--judge", str(COMPOSE_ASSET_DIR / "judge"),
-               "--max-steps", "6", "--batch-size", "4", "--eval-every", str(every), "--threads", "1"]
+               "--max-steps", "6", "--batch-size", "4", "--eval-every", str(every), "--eval-seeds", "1", "--threads", "1"]
         subprocess.run(cmd, cwd=repo, check=True, capture_output=True)
         meta = json.loads((out / "metadata.json").read_text())
         assert [h["step"] for h in meta["generator"]["history"]] == list(range(every, 7, every))
