@@ -171,6 +171,22 @@ def test_branching_rollout_layout(tiny_adapter):
     assert not torch.equal(lat[0, 0], lat[G, 0])  # prompts have their own noise
 
 
+def test_update_does_not_depend_on_the_micro_batch_size(tiny_adapter):
+    """Rows training different branch steps (the engine's per-row path over the batch of 8, its per-step path over
+    micro-batches of 1), each weighted by its step's noise weight and with the KL: the same, non-zero gradient."""
+    from test_algorithms import assert_micro_batch_invariant
+
+    from diffrl.sampling.rollout import sample_trajectories
+
+    layout = branch_layout(3, [0, 1], 2).repeat(2, 1)
+    td = sample_trajectories(tiny_adapter, ["a red seven"] * 4 + ["a blue two"] * 4, settings=SamplerConfig(num_steps=3, noise_level=0.8),
+                             seeds=list(range(200, 208)), sde_mask=layout, init_seeds=[1] * 4 + [2] * 4, group_id=torch.arange(2).repeat_interleave(4))
+    td["advantages"] = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0, 0.3, -0.3])
+    td["noise_weights"] = noise_weights(step_stds(td["sigmas"][0], "flow_sde", 0.8), td["sde_mask"], [0, 1])
+    out_whole, out_split = assert_micro_batch_invariant(TempFlowStepLoss(clip_range=0.2, kl_beta=0.05, kl_dt_scale=False), td)
+    assert out_whole["metrics"]["noise_weight_mean"] == pytest.approx(out_split["metrics"]["noise_weight_mean"], rel=1e-6)
+
+
 def test_registered_with_its_own_keys_and_one_line_errors(tmp_path, capsys):
     assert "tempflow_grpo" in ALGORITHMS
     cfg = compose(["experiment=digits_tempflow_grpo"])
