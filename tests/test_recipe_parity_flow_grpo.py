@@ -145,7 +145,7 @@ def _engine_stub(cfg, data: dict, means: torch.Tensor):
     engine = object.__new__(DiffusionEngine)
     engine.sampler = cfg.sampler
 
-    def score(adapter, micro, k):
+    def score(adapter, micro, k, cond=None):
         rows = micro["row"]
         source = data["ref_means"] if adapter == "reference" else means
         mean = source[rows, k]

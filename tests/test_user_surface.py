@@ -28,7 +28,8 @@ from safetensors.torch import load_file
 from diffrl.checkpoint import list_checkpoints
 from diffrl.config import ModelConfig
 from diffrl.logging import read_jsonl
-from diffrl.recipes import CONFIG_DIR
+from diffrl.algorithms import algorithm_class
+from diffrl.recipes import CONFIG_DIR, compose
 from diffrl.tools.analysis import load_policy
 from diffrl.tools.cli import main
 from pipelines.base import family_class, known_families
@@ -101,7 +102,8 @@ def _pixels(folder: Path) -> np.ndarray:
 
 def _walk_the_user_surface(overrides: list[str], tmp_path: Path, capsys) -> None:
     run = tmp_path / "run"
-    assert main(["train", *overrides, *TINY, f"trainer.output_dir={run}"]) == 0
+    algorithm = algorithm_class(compose(overrides).algorithm.trainer)  # its own tiny sizes, where its recipe ties them to its keys
+    assert main(["train", *overrides, *TINY, *algorithm.tiny_overrides, f"trainer.output_dir={run}"]) == 0
     (checkpoint,) = list_checkpoints(run / "checkpoints")
     evals = [r for r in read_jsonl(run / "metrics.jsonl") if r["kind"] == "eval"]
     last = evals[-1]
@@ -145,7 +147,7 @@ def _walk_the_user_surface(overrides: list[str], tmp_path: Path, capsys) -> None
         torch.testing.assert_close(match, float(info["scale_folded_into_lora_B"]) * value.to(match.dtype), rtol=0, atol=0)
 
     # resume=auto: one more step from the checkpoint
-    assert main(["train", *overrides, *TINY, "trainer.steps=3", "trainer.resume=auto", f"trainer.output_dir={run}"]) == 0
+    assert main(["train", *overrides, *TINY, *algorithm.tiny_overrides, "trainer.steps=3", "trainer.resume=auto", f"trainer.output_dir={run}"]) == 0
     steps = [r["step"] for r in read_jsonl(run / "metrics.jsonl") if r["kind"] == "train"]
     assert steps == [1, 2, 3]
 

@@ -128,6 +128,9 @@ class Algorithm(abc.ABC):
 
     name: ClassVar[str]
     Config: ClassVar[type[AlgorithmConfig]] = AlgorithmConfig
+    tiny_overrides: ClassVar[tuple[str, ...]] = ()
+    """overrides that fit this algorithm's own sizes to a seconds-long run of 2 prompts × 2 samples (the user-surface
+    tests), where its recipe ties a size to its own keys (TempFlow-GRPO's group is branch steps × branches)"""
 
     def __init__(self, config: AlgorithmConfig, run: RunContext):
         self.config = config

@@ -198,6 +198,7 @@ class BranchingPlan(RolloutPlan):
 @register_algorithm("tempflow_grpo")
 class TempFlowGRPO(Algorithm):
     Config = TempFlowGRPOConfig
+    tiny_overrides = ("algorithm.branch_steps=[0]", "algorithm.branches=2")  # a group of 1 branch step × 2 branches
 
     def __init__(self, config: TempFlowGRPOConfig, run):
         super().__init__(config, run)
