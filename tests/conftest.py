@@ -61,9 +61,10 @@ def randomise_lora(module: torch.nn.Module, scale: float = 0.05, seed: int = 0) 
 
 
 #
-# Scheduling (`--dist loadgroup`): the `ray` tests and the two-node `multinode` test form one xdist group, run one after
-# another on one process while the other process takes the rest (two of them at once, four ranks and two drivers on 2
-# cores, ran 2-3x slower than alone), the two-node test last (its `ray stop --force` ends every Ray process);
+# Scheduling: the `ray` tests and the two-node `multinode` test form one xdist group: under `--dist loadgroup` they run one
+# after another on one process (two of them at once, four ranks and two drivers on 2 cores, ran 2-3x slower than alone),
+# the two-node test last (its `ray stop --force` ends every Ray process); CI runs them as a phase of their own with -n 0
+# instead (beside a learning run, Ray's ranks and daemons slowed both 1.5-3x);
 # xdist hands out the largest group first, and the learning runs (`recipe`), then the other slow tests, come before the
 # short ones, so that no process is left with a 2-minute run at the end while the other idles.
 
