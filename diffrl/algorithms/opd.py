@@ -52,9 +52,9 @@ import torch
 from tensordict import TensorDict
 
 from diffrl.algorithms.advantages import check_group_size
-from diffrl.algorithms.base import Algorithm, Granularity, ObjectiveSpec, Reference, StepObjective, StepResult, register_algorithm
+from diffrl.algorithms.base import Granularity, ObjectiveSpec, Reference, StepObjective, StepResult, register_algorithm
 from diffrl.algorithms.losses import flow_grpo_loss, step_kl
-from diffrl.algorithms.policy_gradient import RewardAdvantages
+from diffrl.algorithms.policy_gradient import GroupAdvantageAlgorithm
 from diffrl.config import AlgorithmConfig, Check, at_least, positive
 
 
@@ -149,12 +149,10 @@ class OPDConfig(AlgorithmConfig):
 
 
 @register_algorithm("opd")
-class OPD(Algorithm):
-    Config = OPDConfig
+class OPD(GroupAdvantageAlgorithm):
+    """The reward term's advantages are :class:`GroupAdvantageAlgorithm`'s; the update and the checks are OPD's own."""
 
-    def __init__(self, config: OPDConfig, run):
-        super().__init__(config, run)
-        self.advantages = RewardAdvantages(config, run.reward_weights)
+    Config = OPDConfig
 
     def objective(self) -> OPDStepLoss:
         a = self.config
@@ -181,7 +179,7 @@ class OPD(Algorithm):
     def update(self, workers, traj: TensorDict, scores: dict, step: int) -> StepResult:
         record = {}
         if self.config.reward_coef > 0:
-            traj["advantages"] = self.advantages(scores, traj["group_id"], list(traj.get("prompts").tolist()))
+            traj["advantages"] = self.rollout_advantages(traj, scores)
             record["advantage_abs_mean"] = traj["advantages"].abs().mean().item()
         del traj["metrics"]
         return StepResult(self.train_epochs(workers, traj, traj.shape[0], step), record)
