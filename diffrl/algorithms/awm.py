@@ -156,7 +156,7 @@ class AWM(GroupAdvantageAlgorithm):
         return sample_only_plan(self.run.sampler, masks, "current")
 
     def train_forwards(self, record: dict, trained_steps: int) -> tuple[int, int]:
-        return self.run.prompts_per_step * self.run.group_size * self.config.awm_num_timesteps, int(self.config.kl_beta > 0) + int(self.config.awm_ema_beta > 0)
+        return self.run.batch.rows * self.config.awm_num_timesteps, int(self.config.kl_beta > 0) + int(self.config.awm_ema_beta > 0)
 
     def update(self, workers, traj: TensorDict, scores: dict, step: int) -> StepResult:
         result = super().update(workers, traj, scores, step)

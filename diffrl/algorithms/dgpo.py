@@ -157,7 +157,7 @@ class DGPO(GroupAdvantageAlgorithm):
 
     def train_forwards(self, record: dict, trained_steps: int) -> tuple[int, int]:
         # the gradient pass per sample and level; gradient-free: the policy and the reference for the group weights (+ KL)
-        return self.run.prompts_per_step * self.run.group_size * self.config.dgpo_num_timesteps, 2 + int(self.config.kl_beta > 0)
+        return self.run.batch.rows * self.config.dgpo_num_timesteps, 2 + int(self.config.kl_beta > 0)
 
     def rollout_advantages(self, traj: TensorDict, scores: dict) -> torch.Tensor:
         c = self.config.adv_clip_max  # clipped again after summing per-reward advantages (reward_aggregation=sum_advantages)

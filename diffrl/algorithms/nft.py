@@ -137,8 +137,7 @@ class NFT(Algorithm):
         return sample_only_plan(self.run.sampler, masks, "old")
 
     def train_forwards(self, record: dict, trained_steps: int) -> tuple[int, int]:
-        n = self.run.prompts_per_step * self.run.group_size
-        return n * int(self.config.nft_num_timesteps or self.run.sampler.num_steps), 1 + int(self.config.kl_beta > 0)
+        return self.run.batch.rows * int(self.config.nft_num_timesteps or self.run.sampler.num_steps), 1 + int(self.config.kl_beta > 0)
 
     def update(self, workers, traj: TensorDict, scores: dict, step: int) -> StepResult:
         a = self.config
