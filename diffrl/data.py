@@ -156,33 +156,35 @@ def prompt_texts(spec: str) -> tuple[list[str], dict[str, dict]]:
 
 
 def load_prompts(spec: str, split: str) -> tuple[list, dict[str, dict]]:
-    """``trainer.prompts`` / ``eval.prompts``: a built-in prompt set's ``split`` (``train`` | ``test``,
-    :mod:`diffrl.prompt_sets`) with each prompt's metadata (GenEval rows, OCR target texts), or a prompt file or
-    editing records (:func:`read_prompts`, no metadata; ``split`` does not apply).
+    """``trainer.prompts`` / ``eval.prompts``: a prompt file or editing records (:func:`read_prompts`, no metadata;
+    ``split`` does not apply), or a built-in prompt set's ``split`` (``train`` | ``test``, :mod:`diffrl.prompt_sets`)
+    with each prompt's metadata (GenEval rows, OCR target texts).
 
     Returns:
         ``(prompts, {prompt: metadata row})``; the table is empty for a set without metadata and for files.
     """
-    if is_prompt_set(str(spec)):
-        prompts, rows = load_prompt_set(str(spec), split)
-        return prompts, (dict(zip(prompts, rows)) if rows is not None else {})
-    return read_prompts(spec), read_metadata(spec)
+    if not is_prompt_set(str(spec)):
+        return read_prompts(spec), read_metadata(spec)
+    prompts, rows = load_prompt_set(str(spec), split)
+    return prompts, (dict(zip(prompts, rows)) if rows is not None else {})
 
 
 def run_prompts(cfg) -> tuple[list | None, list | None, dict[str, dict]]:
-    """A run's training prompts, evaluation prompts and the metadata of both (``cfg`` = the run's config):
-    ``trainer.prompts`` (a set's train split or a file); ``eval.prompts`` (a set's test split or a file), else the
-    test split of ``trainer.prompts`` when it names a set, else ``trainer.prompts``; the first ``eval.num_prompts``
-    of them when set. ``None`` where the family's built-in prompts apply."""
-    train, evaluation = cfg.trainer, cfg.eval
-    prompts, table = load_prompts(train.prompts, "train") if train.prompts else (None, {})
+    """:func:`load_run_prompts` of a run's whole config (``cfg.trainer``, ``cfg.eval``), for the commands that read a run's
+    config.yaml."""
+    return load_run_prompts(cfg.trainer, cfg.eval)
+
+
+def load_run_prompts(train, evaluation) -> tuple[list | None, list | None, dict[str, dict]]:
+    """A run's training prompts, evaluation prompts and the metadata of both (``train`` = its ``TrainerConfig``,
+    ``evaluation`` its ``EvalConfig``): ``trainer.prompts`` (a set's train split or a file); ``eval.prompts`` (a set's
+    test split or a file), else the test split of ``trainer.prompts`` when it names a set, else ``trainer.prompts``; the
+    first ``eval.num_prompts`` of them when set. ``None`` where the family's built-in prompts apply."""
     eval_spec = evaluation.prompts or (train.prompts if train.prompts and is_prompt_set(str(train.prompts)) else None)
-    if eval_spec:
-        eval_prompts, eval_table = load_prompts(eval_spec, "test")
-        table = {**table, **eval_table}
-    else:
-        eval_prompts = prompts
-    return prompts, eval_subset(eval_prompts, evaluation), table
+    loaded = {split: load_prompts(spec, split) for split, spec in (("train", train.prompts), ("test", eval_spec)) if spec}
+    prompts, table = loaded.get("train", (None, {}))
+    eval_prompts, eval_table = loaded.get("test", (prompts, {}))
+    return prompts, eval_subset(eval_prompts, evaluation), {**table, **eval_table}
 
 
 def eval_subset(prompts: list | None, evaluation) -> list | None:
@@ -240,6 +242,28 @@ def check_edit_prompts(prompts: list, family: str, sampler) -> list:
     resized = resize_sources(prompts, int(sampler.height), int(sampler.width))
     split_prompts(resized)  # a mix of strings and records fails here
     return resized
+
+
+def family_prompts(train, evaluation, family: str, sampler, *, offline_pairs: bool = False) -> tuple[list | None, list | None, dict[str, dict]]:
+    """The run's data as the trainer takes it, read and checked against the model family in one pass: the training and
+    evaluation prompts with their metadata (:func:`load_run_prompts`), each checked and resized (:func:`check_edit_prompts`;
+    ``None`` where the family's built-in prompts apply, :func:`family_default_prompts`); offline preference pairs
+    (``offline_pairs``: ``algorithm.preference_pairs``) need a text-to-image family (they hold no source images)."""
+    prompts, eval_prompts, table = load_run_prompts(train, evaluation)
+    if prompts is not None:
+        prompts, eval_prompts = (check_edit_prompts(p, family, sampler) for p in (prompts, eval_prompts))
+    if offline_pairs and getattr(family_class(family), "editing", False):
+        raise ValueError(f"algorithm.preference_pairs (offline DPO pairs) has no source images, and model family {family!r} edits images; "
+                         "train it with online pairs (unset algorithm.preference_pairs) or another algorithm")
+    return prompts, eval_prompts, table
+
+
+def family_default_prompts(prompts: list | None, evaluation, family: str, sampler) -> tuple[list | None, list | None]:
+    """The model family's built-in prompts (its adapter's ``default_prompts``) as the run's training prompts, checked
+    (:func:`check_edit_prompts`), and their evaluation subset (:func:`eval_subset`)."""
+    if prompts:
+        prompts = check_edit_prompts(prompts, family, sampler)
+    return prompts, eval_subset(prompts, evaluation)
 
 
 def step_prompts(prompts: list[str], step: int, prompts_per_step: int, seed: int) -> list[str]:

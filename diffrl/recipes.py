@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,20 +20,19 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from diffrl.algorithms import ALGORITHMS, Algorithm, Pairs, algorithm_class, check_config, group_class, registered_where
+from diffrl.algorithms import ALGORITHMS, algorithm_class, check_config, group_class
 from diffrl.algorithms.policy_gradient import PolicyGradientConfig
 from diffrl.config import (
     MOVED_KEYS, BatchPlan, Check, ConfigError, DistributedConfig, EvalConfig, ModelConfig, RewardConfig, SamplerConfig, TrainerConfig,
-    eval_metric_names,
 )
-from diffrl.data import prompt_texts
 from diffrl.distributed.checks import validate_distributed
 from diffrl.engine.checks import validate_model
-from diffrl.hub import HubError, cache_dir, is_hub_ref, offline, resolve_weights
+from diffrl.hub import offline
+from diffrl.run_rewards import validate_rewards
+from diffrl.run_weights import check_weights
 from diffrl.sampling.checks import validate_sampler
 from diffrl.sampling.evaluation_checks import validate_evaluation
-from pipelines.base import family_class, resolve_model_path
-from rewards.base import RewardError, missing_extra, registered_names, resolve_reward
+from rewards.base import registered_names
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 
@@ -359,39 +357,14 @@ def check_sizes(cfg: Config | DictConfig, *, backend: bool = True) -> None:
     validate_distributed(cfg.distributed, batch, cfg.model, async_chunks=int(cfg.reward.async_chunks), ema=bool(cfg.eval.ema), backend=backend)
 
 
-def check_algorithm(cfg: Config | DictConfig, algorithm: Algorithm) -> None:
-    """The run's settings against what its algorithm's objective declares (``algorithm.spec``, an
-    :class:`~diffrl.algorithms.ObjectiveSpec`), before any work: off-policy rollouts (replicas with staleness, FP8
-    rollouts) need an objective that corrects them; replicas cannot sync a full fine-tune's old policy; offline
-    preference pairs have no source images for an editing family. Returns nothing: what the run does follows from
-    the settings and the declared spec (``diffrl.rollout_driver.low_precision_rollouts``)."""
-    d, m = cfg.distributed, cfg.model
-    spec = algorithm.spec
-    corrects = spec.corrects_off_policy  # its loss weights behaviour log-probs by truncated IS
-    used = algorithm.name if spec.name == algorithm.name else f"{algorithm.name} (loss {spec.name})"
-    if d.max_staleness and not corrects:
-        able = ", ".join(registered_where(lambda s: s.corrects_off_policy, algorithm.run)) or "none is registered"
-        raise ValueError(f"distributed.max_staleness={d.max_staleness} needs a loss that corrects off-policy rollouts by truncated importance "
-                         f"weights (registered, at their defaults: {able}), not {used}; set distributed.max_staleness=0")
-    if m.rollout_precision != "model" and not corrects:
-        able = ", ".join(registered_where(lambda s: s.corrects_off_policy, algorithm.run)) or "none is registered"
-        raise ValueError(f"model.rollout_precision={m.rollout_precision} samples with another policy than the trained one, and "
-                         f"{algorithm.name}'s loss {spec.name} does not correct that (its log-probs need truncated importance "
-                         f"weights: {able}); set model.rollout_precision=model")
-    if d.rollout_replicas and m.lora.rank == 0 and spec.old_policy:
-        raise ValueError(f"distributed.rollout_replicas={d.rollout_replicas} with full fine-tuning (model.lora.rank=0) cannot sync {algorithm.name}'s "
-                         "old policy (a frozen copy on the actor); train a LoRA or set distributed.rollout_replicas=0")
-    if spec.pairs is Pairs.OFFLINE and getattr(family_class(m.family), "editing", False):
-        raise ValueError(f"algorithm.preference_pairs (offline DPO pairs) has no source images, and model family {m.family!r} edits images; "
-                         "train it with online pairs (unset algorithm.preference_pairs) or another algorithm")
-
-
 def validate(cfg: Config | DictConfig, *, hub_cache: bool = True) -> Config:
     """Check every value of a run's config before anything is built; return it as :class:`Config`.
 
     Ranges and choices come from each config class's ``CHECKS`` (``diffrl.config`` and each algorithm's
-    ``Config``); registry names (sampler kinds, windows, model family and its options, rewards,
-    algorithm class) are looked up without building anything. The error is one line naming the key, the
+    ``Config``); then each component checks its own config, reading no weights and building nothing: the sampler
+    (``diffrl.sampling.checks``), the algorithm (its ``Config``), the evaluations (``diffrl.sampling.evaluation_checks``),
+    the rewards and the prompts they score (``diffrl.run_rewards``), the model (``diffrl.engine.checks``), and last every
+    checkpoint the run loads (``diffrl.run_weights``; with ``hub_cache``). The error is one line naming the key, the
     value and what is valid.
     """
     cfg = to_config(cfg)
@@ -399,109 +372,17 @@ def validate(cfg: Config | DictConfig, *, hub_cache: bool = True) -> Config:
     for key, value, check in sorted(checked_keys(cfg), key=lambda item: not item[0].startswith(first)):
         if value is not None and not check.ok(value):
             raise ConfigError(f"{key}={value!r} is invalid: it must be {check.describe()}")
-    m, r, a = cfg.model, cfg.reward, cfg.algorithm
     validate_sampler(cfg.sampler)
-    betas = list(a.betas)
+    betas = list(cfg.algorithm.betas)
     _require(len(betas) == 2 and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas),
             f"algorithm.betas={betas} is invalid: it must be two numbers in [0, 1)")
     try:
-        check_config(a)
+        check_config(cfg.algorithm)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    validate_model(m)
-    _require(bool(r.names), "reward.names is empty: give at least one reward")
-    weights = list(r.weights)
-    _require(not weights or len(weights) == len(r.names), f"reward.weights has {len(weights)} entries for {len(r.names)} reward.names; give one weight per reward")
-    _require(all(isinstance(w, (int, float)) and math.isfinite(w) for w in weights), f"reward.weights={weights} is invalid: each must be a finite number")
-    for key, name in _reward_keys(r):
-        try:
-            resolve_reward(name)
-        except RewardError as exc:
-            raise ConfigError(f"{key}: {exc}") from None
-        extra = missing_extra(name)
-        if extra:
-            raise ConfigError(f"{key}: {extra}")
-    check_prompts(cfg)
-    validate_evaluation(cfg.eval, r)
+    validate_evaluation(cfg.eval, cfg.reward)
+    validate_rewards(cfg.reward, {"trainer.prompts": cfg.trainer.prompts, "eval.prompts": cfg.eval.prompts})
+    validate_model(cfg.model)
     if hub_cache:
-        check_hub_cache(cfg, hub=offline())
+        check_weights(cfg.model, cfg.reward, hub=offline())
     return cfg
-
-
-def check_prompts(cfg: Config) -> None:
-    """``trainer.prompts`` / ``eval.prompts`` against every reward's needs (``Reward.check_prompts``: GenEval needs each
-    prompt's row or a prompt it can parse), reading texts and metadata only (no image), before anything is built."""
-    for key, spec in (("trainer.prompts", cfg.trainer.prompts), ("eval.prompts", cfg.eval.prompts)):
-        if not spec:
-            continue
-        texts, table = prompt_texts(spec)
-        rows = [table.get(t) for t in texts]
-        for _, name in _reward_keys(cfg.reward):
-            check = getattr(resolve_reward(name), "check_prompts", None)
-            try:
-                if callable(check):
-                    check(texts, rows)
-            except (RewardError, ValueError) as exc:
-                raise ConfigError(f"{key}={spec}: {exc} (records carry it as GenEval rows or a metadata field; flow_grpo's "
-                                  "datasets: diffrl prompts convert --help)") from None
-
-
-def _reward_keys(r: RewardConfig) -> list[tuple[str, str]]:
-    """``(the key as the user sets it, reward name)`` of every reward a run builds (``reward.names=[a, b]``,
-    ``reward.gold=c`` …)."""
-    out = [(f"reward.names=[{', '.join(r.names)}]", n) for n in r.names]
-    out += [(f"reward.{k}={getattr(r, k)}", getattr(r, k)) for k in ("gold", "fidelity", "feature_space") if getattr(r, k)]
-    out += [(f"reward.judges=[{', '.join(r.judges)}]", n) for n in r.judges]
-    return out
-
-
-def hub_weights(cfg: Config, *, local: bool = False) -> list[tuple[str, str, str]]:
-    """``(config key, reference, kind)`` of every checkpoint the run loads: ``model.path`` first, then each reward's
-    weights (given in ``reward.options`` or the reward's published default, ``Reward.hub_weights``). Hub references
-    only, unless ``local`` (then local paths too)."""
-    out = []
-    if cfg.model.path is not None and (local or is_hub_ref(cfg.model.path)):
-        out.append(("model.path", str(cfg.model.path), "family"))
-    r = cfg.reward
-    for name in dict.fromkeys([*eval_metric_names(r), *([r.feature_space] if r.feature_space else [])]):
-        refs = getattr(resolve_reward(name), "weight_refs", None)
-        options = dict(r.options.get(name, {}) or {})
-        for option, weights in (refs(options) if callable(refs) else {}).items():
-            if local or is_hub_ref(weights.ref):
-                out.append((f"+reward.options.{name}.{option}", weights.ref, weights.kind))
-    return out
-
-
-def _fetch_line(message: str) -> str:
-    """The ``hf download …`` command of a :class:`HubError`'s message, else the message itself."""
-    match = re.search(r"(hf download .*?)(?: \(HF_HOME=[^)]*\))?$", message)
-    return match.group(1) if match else message
-
-
-def check_hub_cache(cfg: Config, *, hub: bool = True) -> None:
-    """Every checkpoint of the run is there before anything is built: local paths exist, and (``hub``: with
-    ``HF_HUB_OFFLINE=1``) every Hub reference is in the Hugging Face cache. All missing pieces are collected, the
-    model before its rewards: one of them is one line naming the repository, the revision and the command that fetches
-    it; several are one error with one ``hf download`` line each."""
-    missing: list[tuple[str, str]] = []  # (key, the whole message)
-    for key, ref, kind in hub_weights(cfg, local=True):
-        if not is_hub_ref(ref):
-            if not Path(ref).expanduser().exists():
-                what = "a local diffusers folder or a Hub id (org/name)" if kind == "family" else "a local path or a Hub id"
-                missing.append((key, f"{key}={ref}: no such file or folder; give {what}"))
-            continue
-        if not hub:
-            continue
-        try:
-            if kind == "family":
-                resolve_model_path(cfg.model.family, ref, cfg.model.revision)
-            else:
-                resolve_weights(ref, kind, key=key)
-        except HubError as exc:
-            missing.append((key, str(exc)))
-    if len(missing) == 1:
-        raise ConfigError(missing[0][1])
-    if missing:
-        lines = "\n".join(f"  {key}: {_fetch_line(message)}" if "hf download" in message else f"  {message}" for key, message in missing)
-        where = f"from the Hugging Face cache {cache_dir()} (HF_HUB_OFFLINE=1) or the disk" if offline() else "from the disk"
-        raise ConfigError(f"{len(missing)} checkpoints of this run are missing {where}; fetch or fix each, then run again:\n{lines}")

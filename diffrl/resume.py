@@ -16,21 +16,21 @@ import shutil
 from pathlib import Path
 
 from diffrl import checkpoint
-from diffrl.algorithms import Algorithm
-from diffrl.recipes import Config
+from diffrl.config import ModelConfig, TrainerConfig
 
 
 class RunFolderError(FileExistsError):
     """The output folder cannot be used as asked (it holds another run, or nothing to resume from)."""
 
 
-def fingerprint(cfg: Config, algorithm: Algorithm) -> dict:
-    """The config values a checkpoint must share with a run that resumes from it: the model and its
-    trained weights' shapes, the algorithm class, and what fixes the prompts and noise of every step."""
-    m, t = cfg.model, cfg.trainer
+def fingerprint(model: ModelConfig, trainer: TrainerConfig, algorithm: str) -> dict:
+    """The config values a checkpoint must share with a run that resumes from it: the model and its trained weights'
+    shapes (``model``), the algorithm class (its registry name), and what fixes the prompts and noise of every step
+    (``trainer``)."""
+    m, t = model, trainer
     return {
         "model.family": m.family, "model.path": m.path, "model.lora.rank": int(m.lora.rank), "model.lora.alpha": float(m.lora.alpha),
-        "model.lora.target_modules": list(m.lora.target_modules) if m.lora.target_modules else None, "algorithm.trainer": algorithm.name,
+        "model.lora.target_modules": list(m.lora.target_modules) if m.lora.target_modules else None, "algorithm.trainer": algorithm,
         "trainer.seed": int(t.seed), "trainer.prompts_per_step": int(t.prompts_per_step), "trainer.group_size": int(t.group_size),
     }
 
@@ -40,12 +40,13 @@ def checkpoint_path(output_dir: Path, step: int) -> Path | None:
     return output_dir / "checkpoints" / f"step_{step:06d}" if step > 0 else None
 
 
-def pick_checkpoint(output_dir: Path, cfg: Config, algorithm: Algorithm, auto: bool, notices: list[str]) -> tuple[Path | None, list[tuple[Path, str]]]:
+def pick_checkpoint(output_dir: Path, ours: dict, auto: bool, notices: list[str]) -> tuple[Path | None, list[tuple[Path, str]]]:
     """The newest whole checkpoint of the run folder and the damaged ones newer than it (with why); ``(None, [])``
     when ``auto`` and the run stopped before its first checkpoint (it starts again; a notice says so).
 
-    A checkpoint written under another model, LoRA or sampling config stops the run with the keys that
-    differ: its weights would not fit, or the run would not continue the same way."""
+    A checkpoint whose :func:`fingerprint` differs from ``ours`` (written under another model, LoRA or sampling
+    config) stops the run with the keys that differ: its weights would not fit, or the run would not continue the
+    same way."""
     found = checkpoint.list_checkpoints(output_dir / "checkpoints")
     if auto and not found:  # stopped before its first checkpoint: only the records of those steps exist; start again
         notices.append(f"{output_dir} has no checkpoint yet: starting again from step 0 (trainer.resume=auto)")
@@ -54,7 +55,6 @@ def pick_checkpoint(output_dir: Path, cfg: Config, algorithm: Algorithm, auto: b
         why = "trainer.resume=auto continues it from its newest checkpoint" if found else "it has no complete checkpoint to resume from"
         raise RunFolderError(f"output folder {output_dir} already holds a run (metrics.jsonl); it is left untouched — choose another trainer.output_dir ({why})")
     damaged = []
-    ours = fingerprint(cfg, algorithm)
     for path in reversed(found):
         problem = checkpoint.verify(path)
         if problem:

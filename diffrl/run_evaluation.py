@@ -11,19 +11,18 @@ from collections.abc import Callable
 from pathlib import Path
 
 from diffrl import checkpoint
-from diffrl.config import eval_metric_names
+from diffrl.config import EvalConfig, SamplerConfig
 from diffrl.data import sample_metadata
 from diffrl.distributed import WorkerGroup
 from diffrl.logging import Progress, RunLogger
 from diffrl.recipes import Config
 from diffrl.resume import checkpoint_path
 from diffrl.run_report import run_summary
-from diffrl.sampling.distribution import build_feature_space
+from diffrl.run_rewards import RunRewards
 from diffrl.sampling.evaluation import eval_prompts_and_seeds, read_jsonl
 from diffrl.sampling.evaluator import Evaluator
 from diffrl.selection import Selection
 from pipelines.base import split_prompts
-from rewards.base import build_reward
 
 
 def ema_decay(steps_done: int, decay: float) -> float:
@@ -78,26 +77,21 @@ class RunEvaluation:
     """The evaluations of one run.
 
     Args:
-        cfg: the run's config (``eval.*``, ``reward.*``, ``sampler.*``).
-        rewards: ``name → (reward, weight)`` of the trained rewards; the gold metric, the judges and the fidelity metric
-            are built beside them (``reward.options``), and the feature space of ``reward.feature_space``.
+        evaluation: the run's ``EvalConfig`` (``eval.*``).
+        sampler: the run's ``SamplerConfig`` (the evaluation sampler: ``eval_num_steps``, ``micro_batch_size``).
+        steps: ``trainer.steps`` (an evaluation follows the last step).
+        rewards: the run's rewards (:class:`~diffrl.run_rewards.RunRewards`): the trained ones with their weights, every
+            evaluation metric (the gold metric, the judges, the fidelity metric) and the feature space.
         prompt_metadata: the prompt set's per-prompt rows (the rewards' metadata).
 
     ``prompts`` (the held-out prompts) is set by the trainer once they are known (a family's built-in prompts come
     with its workers).
     """
 
-    def __init__(self, cfg: Config, rewards: dict, prompt_metadata: dict):
-        self.cfg, self.weights, self.prompt_metadata = cfg, {name: w for name, (_, w) in rewards.items()}, prompt_metadata
-        options = cfg.reward.options
-        self.metrics = {name: fn for name, (fn, _) in rewards.items()}
-        self.gold_name = cfg.reward.gold
-        for name in eval_metric_names(cfg.reward):
-            if name not in self.metrics:
-                self.metrics[name] = build_reward(name, **options.get(name, {}))
-        self.judge_names = [name for name in cfg.reward.judges if name != self.gold_name]
-        space = cfg.reward.feature_space
-        self.feature_space = build_feature_space(space, options.get(space, {})) if space else None
+    def __init__(self, evaluation: EvalConfig, sampler: SamplerConfig, steps: int, rewards: RunRewards, prompt_metadata: dict):
+        self.eval, self.sampler, self.steps, self.prompt_metadata = evaluation, sampler, int(steps), prompt_metadata
+        self.weights, self.metrics, self.feature_space = rewards.weights, rewards.metrics, rewards.feature_space
+        self.gold_name, self.judge_names, self.fidelity_name = rewards.gold_name, rewards.judge_names, rewards.fidelity_name
         self.prompts: list | None = None
         self.selection: Selection | None = None
         self.stopped_early: dict | None = None
@@ -107,13 +101,13 @@ class RunEvaluation:
 
     def due(self, done: int) -> bool:
         """Whether an evaluation follows RL step ``done`` (every ``eval.every`` steps, and after the last)."""
-        every = self.cfg.eval.every
-        return bool(every and done % every == 0) or done == self.cfg.trainer.steps
+        every = self.eval.every
+        return bool(every and done % every == 0) or done == self.steps
 
     def evaluate(self, workers: WorkerGroup, logger: RunLogger, step: int) -> dict:
         """Deterministic samples of the held-out (prompt, seed) pairs, scored by every eval metric; the grid and the
         per-sample scores go to the run folder (``images/eval_step_<N>``)."""
-        e, s = self.cfg.eval, self.cfg.sampler
+        e, s = self.eval, self.sampler
         records, seeds = eval_prompts_and_seeds(self.prompts, e.seeds_per_prompt, e.seed)
         evaluator = Evaluator(self.metrics, eval_num_steps=s.eval_num_steps, micro_batch_size=s.micro_batch_size, distribution=True,
                               feature_space=self.feature_space)
@@ -126,7 +120,7 @@ class RunEvaluation:
     # -- the EMA (eval.ema) -----------------------------------------------------------------------
     def start_ema(self, workers: WorkerGroup, resume_path: Path | None, progress: Progress) -> None:
         """The EMA starts at the initial weights, or continues from a resumed checkpoint's (which may hold none)."""
-        if not self.cfg.eval.ema:
+        if not self.eval.ema:
             return
         if resume_path is None:
             workers.copy_adapter("default", "ema")
@@ -136,7 +130,7 @@ class RunEvaluation:
 
     def per_optimizer_step(self) -> bool:
         """Whether the EMA moves inside the update, after optimizer steps (``eval.ema_cadence=optimizer_step``)."""
-        return bool(self.cfg.eval.ema) and self.cfg.eval.ema_cadence == "optimizer_step"
+        return bool(self.eval.ema) and self.eval.ema_cadence == "optimizer_step"
 
     def update_workers(self, workers: WorkerGroup):
         """The workers to hand the algorithm's update: wrapped so that the EMA moves after its optimizer steps under
@@ -145,7 +139,7 @@ class RunEvaluation:
 
     def plan_optimizer_steps(self, num_steps: int) -> list[list[float]]:
         """The EMA moves after the next ``num_steps`` optimizer steps, which it counts (:func:`optimizer_step_ema_plan`)."""
-        e = self.cfg.eval
+        e = self.eval
         plan = optimizer_step_ema_plan(self.optimizer_steps, num_steps, int(e.ema_every), float(e.ema_decay), int(e.ema_repeats))
         self.optimizer_steps += num_steps
         self._ema_moves.extend(d for moves in plan for d in moves)
@@ -155,7 +149,7 @@ class RunEvaluation:
         """After RL step ``steps_done``: move the EMA towards the trained LoRA every ``eval.ema_every`` RL steps
         (``eval.ema_repeats`` times); the record's ``ema_decay`` when it moved. Under ``eval.ema_cadence=optimizer_step``
         the moves were made inside the update; the record has the last one's decay and ``ema_moves``."""
-        e = self.cfg.eval
+        e = self.eval
         if self.per_optimizer_step():
             moves, self._ema_moves = self._ema_moves, []
             return {"ema_decay": moves[-1], "ema_moves": float(len(moves))} if moves else {}
@@ -169,7 +163,7 @@ class RunEvaluation:
     # -- selection and early stop (eval.select_by, eval.stop_when_diverging) ------------------------
     def start_selection(self, output_dir: Path, start_step: int) -> None:
         """A fresh selection; a resume replays the evaluations it keeps, so it has the same best and the same history."""
-        e = self.cfg.eval
+        e = self.eval
         self.selection, self.stopped_early = Selection(e.select_by, int(e.stop_when_diverging), self.weights), None
         if start_step:
             for record in read_jsonl(output_dir / "metrics.jsonl"):
@@ -198,13 +192,14 @@ class RunEvaluation:
         progress.write(self.selection.stop_message())
         return True
 
-    def summary(self, output_dir: Path, before: dict, after: dict, wall: float) -> dict:
-        """``summary.json`` (:func:`diffrl.run_report.run_summary`) with the selected checkpoint and an early stop."""
+    def summary(self, cfg: Config, output_dir: Path, before: dict, after: dict, wall: float) -> dict:
+        """``summary.json`` of the run whose config is ``cfg`` (:func:`diffrl.run_report.run_summary`) with the selected
+        checkpoint and an early stop."""
         best = self.selection.best
         selected = None if best is None else {**best, "checkpoint": str(p) if (p := checkpoint_path(output_dir, best["step"])) else None}
-        steps = self.stopped_early["step"] if self.stopped_early else int(self.cfg.trainer.steps)
-        return run_summary(self.cfg, output_dir, self.weights, list(self.metrics), self.gold_name, self.judge_names, before, after, wall, steps,
-                           selected=selected, stopped_early=self.stopped_early, fidelity_name=self.cfg.reward.fidelity)
+        steps = self.stopped_early["step"] if self.stopped_early else self.steps
+        return run_summary(cfg, output_dir, self.weights, list(self.metrics), self.gold_name, self.judge_names, before, after, wall, steps,
+                           selected=selected, stopped_early=self.stopped_early, fidelity_name=self.fidelity_name)
 
 
 __all__ = ["EmaAfterOptimizerSteps", "RunEvaluation", "ema_decay", "eval_line", "optimizer_step_ema_plan"]

@@ -30,18 +30,19 @@ from omegaconf import DictConfig, OmegaConf
 from tensordict import TensorDict
 
 from diffrl import checkpoint
-from diffrl.algorithms import build_algorithm
+from diffrl.algorithms import Pairs, build_algorithm
 from diffrl.config import BatchPlan
-from diffrl.data import check_edit_prompts, eval_subset, run_prompts, step_prompts
+from diffrl.data import family_default_prompts, family_prompts, step_prompts
 from diffrl.distributed import WorkerLostError
-from diffrl.distributed.checks import validate_distributed
+from diffrl.distributed.checks import check_objective, validate_distributed
 from diffrl.logging import Progress, RunLogger
-from diffrl.recipes import Config, check_algorithm, validate
+from diffrl.recipes import Config, validate
 from diffrl.resume import checkpoint_path, cut_records, fingerprint, pick_checkpoint, set_aside
 from diffrl.rollout_driver import RolloutDriver, rollout_request, window_masks
 from diffrl.run_evaluation import RunEvaluation, eval_line
 from diffrl.run_report import throughput
-from diffrl.run_setup import build_rewards, build_workers, run_context, worker_config
+from diffrl.run_rewards import build_rewards
+from diffrl.run_setup import algorithm_context, build_workers, workers_config
 from diffrl.sampling.schedules import build_window
 from rewards.base import RewardError
 
@@ -62,48 +63,44 @@ class Trainer:
     """Runs one recipe (a composed config from ``diffrl.recipes.compose``, or the ``Config`` dataclasses)."""
 
     def __init__(self, cfg: Config | DictConfig):
-        self.cfg = cfg = validate(cfg)  # every value checked before anything is built
+        self.cfg = cfg = validate(cfg)  # every component's config checked before anything is built
         t = cfg.trainer
         if t.threads:
             torch.set_num_threads(int(t.threads))
         self.batch = BatchPlan.of(t, cfg.distributed, cfg.model, cfg.algorithm)  # the batch arithmetic, once
         validate_distributed(cfg.distributed, self.batch, cfg.model, async_chunks=int(cfg.reward.async_chunks), ema=bool(cfg.eval.ema))
         self.output_dir = Path(t.output_dir or f"outputs/{cfg.experiment}-{datetime.now():%Y%m%d-%H%M%S}")
-        self.run = run = run_context(cfg, self.batch)
+        self.run = run = algorithm_context(t.seed, cfg.sampler, cfg.reward, self.batch)
         self.algorithm = build_algorithm(cfg.algorithm, run)
         self.algorithm.validate(self.batch.num_workers)
-        check_algorithm(cfg, self.algorithm)
+        check_objective(cfg.distributed, cfg.model, self.algorithm)
+        self.fingerprint = fingerprint(cfg.model, t, self.algorithm.name)  # what a checkpoint must share to be resumed
         self.resume_path, self.damaged, self.notices = None, [], []
         self.restart_from_scratch = False
         self._steps_without_spread = 0  # steps in a row whose groups all had equal rewards (trainer.no_spread_warning)
         metrics = self.output_dir / "metrics.jsonl"
         if metrics.exists() and metrics.stat().st_size:  # (an empty one: the run stopped before its first evaluation finished)
-            self.resume_path, self.damaged = self._pick_checkpoint()
+            self.resume_path, self.damaged = pick_checkpoint(self.output_dir, self.fingerprint, t.resume == "auto", self.notices)
             self.restart_from_scratch = self.resume_path is None
         torch.manual_seed(t.seed)
         self.window = build_window(cfg.sampler, t.seed)
-        self.prompts, eval_prompts, self.prompt_metadata = run_prompts(cfg)
-        if self.prompts is not None:
-            self.prompts = check_edit_prompts(self.prompts, cfg.model.family, cfg.sampler)
-            eval_prompts = check_edit_prompts(eval_prompts, cfg.model.family, cfg.sampler)
-        self.rewards = build_rewards(cfg, run)  # rewards before the model: a reward that cannot be built (a server down) costs nothing
-        self.evaluation = RunEvaluation(cfg, self.rewards, self.prompt_metadata)
+        self.prompts, eval_prompts, self.prompt_metadata = family_prompts(t, cfg.eval, cfg.model.family, cfg.sampler,
+                                                                          offline_pairs=self.algorithm.spec.pairs is Pairs.OFFLINE)
+        self.rewards = build_rewards(cfg.reward)  # rewards before the model: a reward that cannot be built (a server down) costs nothing
+        self.evaluation = RunEvaluation(cfg.eval, cfg.sampler, t.steps, self.rewards, self.prompt_metadata)
         self._build_workers()
         if self.prompts is None:
-            self.prompts = self.workers.default_prompts()
-            if self.prompts:
-                self.prompts = check_edit_prompts(self.prompts, cfg.model.family, cfg.sampler)
-            eval_prompts = eval_subset(self.prompts, cfg.eval)
+            self.prompts, eval_prompts = family_default_prompts(self.workers.default_prompts(), cfg.eval, cfg.model.family, cfg.sampler)
         self.evaluation.prompts = eval_prompts
         if not self.prompts:
             raise ValueError(f"model family {cfg.model.family!r} has no built-in prompts; set trainer.prompts=<file>")
 
     def _build_workers(self) -> None:
-        config = worker_config(self.cfg, self.algorithm)
-        self.workers, self.replicas = build_workers(self.cfg, config)
-        self.workers.set_loss_fn(self.algorithm.objective())
         cfg = self.cfg
-        self.driver = RolloutDriver(self.algorithm, self.workers, self.replicas, self.rewards, self.prompt_metadata, self.rollout_request,
+        config = workers_config(cfg.model, cfg.sampler, self.algorithm, seed=cfg.trainer.seed, steps=cfg.trainer.steps)
+        self.workers, self.replicas = build_workers(cfg.distributed, config, threads=cfg.trainer.threads)
+        self.workers.set_loss_fn(self.algorithm.objective())
+        self.driver = RolloutDriver(self.algorithm, self.workers, self.replicas, self.rewards.trained, self.prompt_metadata, self.rollout_request,
                                     steps=int(cfg.trainer.steps), max_staleness=int(cfg.distributed.max_staleness),
                                     async_chunks=int(cfg.reward.async_chunks), rollout_precision=cfg.model.rollout_precision)
         self.flops = self.workers.flops_counter(self.cfg.trainer.peak_flops)
@@ -113,11 +110,6 @@ class Trainer:
         if self.replicas is not None:
             self.replicas.shutdown()
         self.workers.shutdown()
-
-    def _pick_checkpoint(self, resume: bool | None = None) -> tuple[Path | None, list[tuple[Path, str]]]:
-        """:func:`diffrl.resume.pick_checkpoint` for this run (``resume``: None follows ``trainer.resume``)."""
-        auto = self.cfg.trainer.resume == "auto" if resume is None else resume
-        return pick_checkpoint(self.output_dir, self.cfg, self.algorithm, auto, self.notices)
 
     def step_prompts(self, step: int) -> list[str]:
         """The step's prompts (``diffrl.data.step_prompts``)."""
@@ -151,7 +143,7 @@ class Trainer:
                 self.notices = [f"{exc}; restarting the workers from {found[-1].name} (restart {restarts} of {t.max_restarts})"]
                 self._shutdown_workers()
                 self._build_workers()
-                self.resume_path, self.damaged = self._pick_checkpoint(resume=True)
+                self.resume_path, self.damaged = pick_checkpoint(self.output_dir, self.fingerprint, True, self.notices)
             except OSError as exc:
                 if exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
                     raise
@@ -247,7 +239,7 @@ class Trainer:
             except OSError:
                 if finished:  # otherwise the fault that stopped the run is the one to report
                     raise
-        summary = self.evaluation.summary(self.output_dir, before, last_eval, time.perf_counter() - wall_start)
+        summary = self.evaluation.summary(cfg, self.output_dir, before, last_eval, time.perf_counter() - wall_start)
         checkpoint.write_json_atomic(self.output_dir / "summary.json", summary)
         return summary
 
@@ -280,7 +272,7 @@ class Trainer:
         tracker; prompts and noise are functions of ``(seed, step)``, so the run continues exactly.
         """
         set_aside(self.output_dir, self.damaged, self.notices)
-        state = self.workers.load_checkpoint(self.resume_path, hashes=False)  # _pick_checkpoint hashed it already
+        state = self.workers.load_checkpoint(self.resume_path, hashes=False)  # pick_checkpoint hashed it already
         step = int(state["global_step"])
         self.window.load_state_dict(state["window"])
         self.algorithm.load_state_dict(state)
@@ -333,7 +325,7 @@ class Trainer:
 
     def trainer_state(self) -> dict:
         """JSON state saved next to the weights: what a resume needs beyond the engine."""
-        state = {"experiment": self.cfg.experiment, "fingerprint": fingerprint(self.cfg, self.algorithm), "window": self.window.state_dict(), **self.algorithm.state_dict()}
+        state = {"experiment": self.cfg.experiment, "fingerprint": self.fingerprint, "window": self.window.state_dict(), **self.algorithm.state_dict()}
         if self.evaluation.per_optimizer_step():
             state["ema_optimizer_steps"] = self.evaluation.optimizer_steps
         return state

@@ -27,7 +27,8 @@ from diffrl.algorithms.losses import nft_reward_to_r
 from diffrl.algorithms.objectives import objective_noise, schedule_levels
 from diffrl.engine.engine import DiffusionEngine
 from diffrl.recipes import compose, to_config
-from diffrl.run_setup import build_rewards, run_context
+from diffrl.run_rewards import build_trained_rewards
+from diffrl.run_setup import run_context
 from diffrl.sampling.rollout import _trained_rows
 from diffrl.sampling.schedules import build_window, per_sample_trained
 from diffrl.sampling.seeding import Stream, generator
@@ -200,7 +201,7 @@ def test_nft_multi_reward_recipe_matches_diffusionnft():
 
     # rewards → r: PickScore / 26 (flow_grpo/pickscore_scorer.py:L50), summed with weights 1 (flow_grpo/rewards.py:L295-302),
     # advantages clipped at 5 and mapped to r = clip(A/5)/2 + 1/2 (train_nft_sd3.py:L910-929)
-    rewards = build_rewards(cfg, run_context(cfg))
+    rewards = build_trained_rewards(cfg.reward)
     images = torch.randint(0, 256, (B, 3, 32, 32), generator=torch.Generator().manual_seed(1), dtype=torch.uint8)
     prompts = [f"prompt {int(g)}" for g in batch["group_id"]]
     scores = score(rewards, images, prompts)

@@ -1,11 +1,14 @@
 """The distributed config's checks (``distributed.*``): the backend can run the workers asked for, and the run's
 batch (:class:`~diffrl.config.BatchPlan`) splits evenly over its ranks, mini-batches, reward chunks and rollout
-replicas, before any work. Called by ``diffrl.recipes.check_sizes``; each error is one line with the valid sizes."""
+replicas, before any work (:func:`validate_distributed`, also ``diffrl.recipes.check_sizes``); and the rollouts these settings make
+against what the algorithm's objective declares (:func:`check_objective`). Each error is one line naming the keys and
+what is valid."""
 
 from __future__ import annotations
 
 import importlib.util
 
+from diffrl.algorithms import Algorithm, registered_where
 from diffrl.config import BatchPlan, DistributedConfig, ModelConfig
 
 
@@ -86,4 +89,28 @@ def validate_distributed(dist: DistributedConfig, batch: BatchPlan, model: Model
         raise ValueError(f"reward.async_chunks={C} with distributed.max_staleness={s}: off-policy rollouts already overlap rewards with sampling; set reward.async_chunks=1")
 
 
-__all__ = ["check_backend", "validate_distributed"]
+def check_objective(dist: DistributedConfig, model: ModelConfig, algorithm: Algorithm) -> None:
+    """The rollouts of ``distributed.*`` and ``model.rollout_precision`` against what the algorithm's objective declares
+    (``algorithm.spec``, an :class:`~diffrl.algorithms.ObjectiveSpec`), before any work: off-policy rollouts (replicas
+    with staleness, FP8 rollouts) need an objective that corrects them (the algorithms able to are named from the
+    registry); replicas cannot sync a full fine-tune's old policy. What the run does follows from the settings and the
+    declared spec (``diffrl.rollout_driver.low_precision_rollouts``)."""
+    d, m = dist, model
+    spec = algorithm.spec
+    corrects = spec.corrects_off_policy  # its loss weights behaviour log-probs by truncated IS
+    used = algorithm.name if spec.name == algorithm.name else f"{algorithm.name} (loss {spec.name})"
+    if d.max_staleness and not corrects:
+        able = ", ".join(registered_where(lambda s: s.corrects_off_policy, algorithm.run)) or "none is registered"
+        raise ValueError(f"distributed.max_staleness={d.max_staleness} needs a loss that corrects off-policy rollouts by truncated importance "
+                         f"weights (registered, at their defaults: {able}), not {used}; set distributed.max_staleness=0")
+    if m.rollout_precision != "model" and not corrects:
+        able = ", ".join(registered_where(lambda s: s.corrects_off_policy, algorithm.run)) or "none is registered"
+        raise ValueError(f"model.rollout_precision={m.rollout_precision} samples with another policy than the trained one, and "
+                         f"{algorithm.name}'s loss {spec.name} does not correct that (its log-probs need truncated importance "
+                         f"weights: {able}); set model.rollout_precision=model")
+    if d.rollout_replicas and m.lora.rank == 0 and spec.old_policy:
+        raise ValueError(f"distributed.rollout_replicas={d.rollout_replicas} with full fine-tuning (model.lora.rank=0) cannot sync {algorithm.name}'s "
+                         "old policy (a frozen copy on the actor); train a LoRA or set distributed.rollout_replicas=0")
+
+
+__all__ = ["check_backend", "check_objective", "validate_distributed"]
