@@ -11,6 +11,7 @@ import copy
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 import torch
 from tensordict import TensorDict
@@ -24,6 +25,9 @@ from diffrl.sampling.schedules import TrainingWindow
 from diffrl.sampling.seeding import Stream, derive
 from pipelines.base import split_prompts
 from rewards.base import score
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 
 def window_masks(window: TrainingWindow, step: int):
@@ -61,6 +65,33 @@ def low_precision_rollouts(rollout_precision: str, algorithm: Algorithm) -> bool
 def sources_of(traj: TensorDict) -> torch.Tensor | None:
     """The trajectories' source images (an editing run), else ``None``."""
     return traj["source_images"] if "source_images" in traj.keys() else None
+
+
+def sample_while_scoring(generate: Callable[[int], T], chunks: int, score_fn: Callable[[T], R]) -> tuple[list[T], list[R], float, float]:
+    """Sample ``chunks`` chunks in order on this thread (``generate(c)``, the GPU's work) while one background thread
+    scores each finished chunk (``score_fn(part)``: a reward on the CPU cores or a remote server), so chunk ``c``'s
+    reward overlaps chunk ``c + 1``'s sampling and only the last chunk's scoring is left after sampling ends.
+
+    Returns ``(parts, results, sampling_seconds, wait_seconds)``: the chunks and their scores in order, the seconds
+    spent sampling, and the seconds waited after sampling for the scores still in flight. A scoring error surfaces
+    here, after the chunks in flight finish; the ones not started are cancelled."""
+    parts, futures, sampling = [], [], 0.0
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="diffrl-reward") as pool:
+        try:
+            for c in range(chunks):
+                start = time.perf_counter()
+                part = generate(c)
+                sampling += time.perf_counter() - start
+                parts.append(part)
+                futures.append(pool.submit(score_fn, part))
+            start = time.perf_counter()
+            results = [f.result() for f in futures]
+            wait = time.perf_counter() - start
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            raise
+    return parts, results, sampling, wait
 
 
 class RolloutDriver:
@@ -137,22 +168,8 @@ class RolloutDriver:
             scores, times["time/reward"] = timed_score(traj)
             return traj, scores
         size = request.batch_size[0] // chunks
-        parts, futures, sampling = [], [], 0.0
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="diffrl-reward") as pool:
-            try:
-                for c in range(chunks):
-                    start = time.perf_counter()
-                    part = generate(request[c * size : (c + 1) * size])
-                    sampling += time.perf_counter() - start
-                    parts.append(part)
-                    futures.append(pool.submit(timed_score, part))
-                start = time.perf_counter()
-                results = [f.result() for f in futures]
-                times["time/reward_wait"] = time.perf_counter() - start
-            except BaseException:
-                for f in futures:
-                    f.cancel()
-                raise
+        parts, results, sampling, wait = sample_while_scoring(lambda c: generate(request[c * size : (c + 1) * size]), chunks, timed_score)
+        times["time/reward_wait"] = wait
         times["time/rollout"] = sampling
         times["time/reward"] = sum(seconds for _, seconds in results)
         traj = torch.cat(parts, dim=0)

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from diffrl.engine.fp8 import E4M3_MAX, fp8_layers, fp8_linear, fp8_linears, quantize, rowwise_scale
+from diffrl.engine.fp8 import E4M3_MAX, effective_weight, fp8_layers, fp8_linear, fp8_linears, quantize, rowwise_scale
 from diffrl.recipes import compose
 from diffrl.tools.cli import main
 from diffrl.trainer import Trainer
@@ -124,3 +124,37 @@ def test_the_scale_benchmark_runs_a_real_reward_in_the_loop(tmp_path):
                  "--reward", "ocr", "--out", str(tmp_path / "ocr.json")])
     run = out["variants"]["eager"]
     assert "error" not in run and run["reward"] == "ocr" and 0 < run["e2e_reward_s"] < run["e2e_iteration_s"]
+
+
+def test_a_lora_layer_runs_as_one_fp8_linear_of_its_folded_weight():
+    """A peft LoRA layer runs in FP8 as one linear of ``W + scale·B·A`` (folded in float32, then quantised): no thin LoRA
+    matmuls and no bf16 copy; with its adapters disabled (the reference policy), of ``W`` alone."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.GELU(), torch.nn.Linear(48, 16))
+    model = inject_adapter_in_model(LoraConfig(r=4, lora_alpha=8, target_modules=["0"]), model)
+    lora = model[0]
+    torch.nn.init.normal_(lora.lora_B["default"].weight, std=0.5)
+    x = torch.randn(5, 32)
+    layers = fp8_layers(model)
+    assert layers == [lora, model[2]]  # the LoRA layer as one unit (not its base, not lora_A/lora_B), and the plain linear
+    w = lora.base_layer.weight.double() + 2.0 * lora.lora_B["default"].weight.double() @ lora.lora_A["default"].weight.double()
+
+    def formula(x, w, b):
+        s = rowwise_scale(w.float())
+        return fp8_linear(x, quantize(w.float(), s), s, b, "emulate")
+
+    with torch.no_grad():
+        with fp8_linears(model, "emulate") as n:
+            got = model(x)
+        h = formula(x, w, lora.base_layer.bias)
+        expected = formula(torch.nn.functional.gelu(h), model[2].weight.double(), model[2].bias)
+        assert n == 2 and torch.allclose(got, expected, rtol=1e-5, atol=1e-6)
+        lora.enable_adapters(False)  # the reference policy: the base weight alone
+        assert torch.equal(effective_weight(lora)[0], lora.base_layer.weight)
+        lora.enable_adapters(True)
+        # the fold is the LoRA layer's own product up to e4m3 rounding, and every forward is restored on exit
+        exact = model(x)
+        assert (got - exact).abs().max() < 0.1 * exact.abs().max() and "forward" not in lora.__dict__
+

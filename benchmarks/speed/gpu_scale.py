@@ -56,6 +56,7 @@ from diffrl.algorithms.advantages import group_advantages  # noqa: E402
 from diffrl.algorithms.losses import make_step_loss  # noqa: E402
 from diffrl.config import LoraConfig, ModelConfig, OptimConfig, SamplerConfig  # noqa: E402
 from diffrl.engine.engine import DiffusionEngine  # noqa: E402
+from diffrl.rollout_driver import sample_while_scoring  # noqa: E402
 from diffrl.sampling.rollout import sample_trajectories  # noqa: E402
 from diffrl.sampling.seeding import Stream, derive  # noqa: E402
 from pipelines import build_adapter  # noqa: E402
@@ -162,10 +163,16 @@ def source_images(n: int, height: int, width: int, seed: int) -> torch.Tensor:
     return (torch.nn.functional.interpolate(grid, size=(height, width), mode="bilinear", align_corners=False) * 255).round().to(torch.uint8)
 
 
-def rollout(adapter, settings, prompts, group, seed, window, window_range, micro, reward=None, sources=None):
+def rollout(adapter, settings, prompts, group, seed, window, window_range, micro, reward=None, sources=None, chunks=1):
     """One Flow-GRPO-Fast rollout: groups of ``group`` images per prompt sharing their initial noise, scored by
     ``reward`` (``(name, fn)``: a registered reward, its seconds in ``td["reward_seconds"]``; ``None``: brightness);
-    ``sources``: an editing model's uint8 source image per prompt (each group edits its prompt's source)."""
+    ``sources``: an editing model's uint8 source image per prompt (each group edits its prompt's source).
+
+    ``chunks > 1`` (with a registered reward): the library's overlapped path (``diffrl.rollout_driver.sample_while_scoring``,
+    what ``reward.async_chunks`` runs in the trainer): the batch is sampled in ``chunks`` consecutive slices and each
+    slice's images are scored on the CPU cores while the GPU samples the next; ``td["reward_wait_seconds"]`` is what
+    is left after sampling (the last chunk's scoring). Seeds are per image, so the samples and rewards are the serial
+    call's (bit for bit when ``micro`` divides a chunk)."""
     adapter.denoiser.eval()
     rng = torch.Generator().manual_seed(seed)
     mask = window_mask(settings.num_steps, window, *window_range, rng) if window else None
@@ -174,15 +181,36 @@ def rollout(adapter, settings, prompts, group, seed, window, window_range, micro
     init = [derive(seed, Stream.ROLLOUT, 0, i // group, 1) for i in range(len(flat))]
     gid = torch.arange(len(flat)) // group
     src = None if sources is None else sources.repeat_interleave(group, dim=0)
-    td = sample_trajectories(adapter, flat, settings=settings, seeds=seeds, sde_mask=mask, init_seeds=init, group_id=gid, micro_batch_size=micro, source_images=src)
-    if reward is None:
-        rewards = td["images"].float().mean(dim=tuple(range(1, td["images"].ndim))) / 255.0  # brightness: a cheap stand-in reward
-    else:  # a real reward's work in the loop; the OCR reward reads its targets from the metadata (the prompts quote none)
-        name, fn = reward
+    metadata = [{"text": f"SIGN {i // group}"} for i in range(len(flat))]  # the OCR reward reads its targets here (the prompts quote none)
+
+    def sample(lo, hi):
+        return sample_trajectories(adapter, flat[lo:hi], settings=settings, seeds=seeds[lo:hi], sde_mask=mask, init_seeds=init[lo:hi],
+                                   group_id=gid[lo:hi], micro_batch_size=micro, source_images=None if src is None else src[lo:hi])
+
+    def scored(lo, hi, td):
         start = time.perf_counter()
-        metadata = [{"text": f"SIGN {i // group}"} for i in range(len(flat))]
-        rewards = score({name: (fn, 1.0)}, td["images"], flat, metadata)["rewards"].float()
-        td.set_non_tensor("reward_seconds", time.perf_counter() - start)
+        name, fn = reward
+        return score({name: (fn, 1.0)}, td["images"], flat[lo:hi], metadata[lo:hi])["rewards"].float(), time.perf_counter() - start
+
+    n = len(flat)
+    if reward is None:
+        td = sample(0, n)
+        rewards = td["images"].float().mean(dim=tuple(range(1, td["images"].ndim))) / 255.0  # brightness: a cheap stand-in reward
+    elif chunks <= 1:  # the serial loop: sample everything, then score
+        td = sample(0, n)
+        rewards, seconds = scored(0, n, td)
+        td.set_non_tensor("reward_seconds", seconds)
+        td.set_non_tensor("reward_wait_seconds", seconds)
+    else:
+        if n % chunks:
+            raise ValueError(f"--reward-chunks {chunks} must divide the batch of {n} images")
+        size = n // chunks
+        parts, results, _, wait = sample_while_scoring(lambda c: (c, sample(c * size, (c + 1) * size)), chunks,
+                                                       lambda part: scored(part[0] * size, (part[0] + 1) * size, part[1]))
+        td = torch.cat([part for _, part in parts], dim=0)
+        rewards = torch.cat([r for r, _ in results])
+        td.set_non_tensor("reward_seconds", sum(seconds for _, seconds in results))
+        td.set_non_tensor("reward_wait_seconds", wait)
     td["rewards"] = rewards
     td["advantages"] = group_advantages(rewards, td["group_id"])
     return td
@@ -319,8 +347,9 @@ def measure(args, label: str, compile_on: bool, results: dict):
     r["n_text_tokens"] = int(cond["prompt_embeds_mask"].sum()) if "prompt_embeds_mask" in cond.keys() else int(cond["prompt_embeds"].shape[1])
 
     targets = list(adapter.lora_target_modules) + (list(s["mlp"]) if args.mlp else [])
+    full = "full" in label  # full fine-tuning: every weight trained, fp32 masters of the bf16 weights (diffrl.engine.precision)
     model = ModelConfig(
-        lora=LoraConfig(rank=args.rank, alpha=args.alpha, target_modules=targets), compile=compile_on, compile_backend=args.compile_backend,
+        lora=LoraConfig(rank=0 if full else args.rank, alpha=args.alpha, target_modules=targets), compile=compile_on, compile_backend=args.compile_backend,
         compile_scope="model" if "whole" in label else args.scope, compile_mode="reduce-overhead" if "graphs" in label else args.mode, compile_cache_dir=args.cache_dir,
         activation_checkpointing=args.ckpt_every > 0, checkpoint_every=max(1, args.ckpt_every),
         fuse_lora_rollout="fuse" in label, compile_vae="novae" not in label,
@@ -332,18 +361,21 @@ def measure(args, label: str, compile_on: bool, results: dict):
     engine.initialize()
     randomise_lora(engine.module, scale=1e-3)
     r["init_s"] = time.perf_counter() - t1
-    print(f"[{label}] {r['n_text_tokens']} text tokens; LoRA attached ({sum(p.numel() for p in engine.trainable_parameters()) / 1e6:.0f} M) in {r['init_s']:.1f} s", flush=True)
+    r["trainable_params_b"] = sum(p.numel() for p in engine.trainable_parameters()) / 1e9
+    r["fp32_master_weights"] = engine.master_weights is not None
+    print(f"[{label}] {r['n_text_tokens']} text tokens; {'full fine-tuning' if full else 'LoRA attached'} ({r['trainable_params_b'] * 1e3:.0f} M trainable"
+          f"{', fp32 masters' if r['fp32_master_weights'] else ''}) in {r['init_s']:.1f} s; {mem.phases}", flush=True)
     loss_fn = make_step_loss("flow_grpo", clip_range=1e-4)
     reward = None if args.reward == "brightness" else (args.reward, build_reward(args.reward))
     r["reward"] = args.reward
 
     reward_times = []
 
-    def roll(i):
+    def roll(i, chunks=1):
         with torch.no_grad(), engine.rollout_weights():
-            td = rollout(adapter, settings, prompts, args.group, args.seed + i, args.window, args.window_range, args.rollout_micro, reward, sources)
+            td = rollout(adapter, settings, prompts, args.group, args.seed + i, args.window, args.window_range, args.rollout_micro, reward, sources, chunks)
         if reward is not None:
-            reward_times.append(td.get_non_tensor("reward_seconds"))
+            reward_times.append((td.get_non_tensor("reward_seconds"), td.get_non_tensor("reward_wait_seconds")))
         return td
 
 
@@ -401,15 +433,40 @@ def measure(args, label: str, compile_on: bool, results: dict):
             r["e2e_iteration_s"] = median(times)
             r["e2e_images_per_s"] = args.batch / r["e2e_iteration_s"]
             if reward_times:  # the reward's share of an end-to-end iteration
-                r["e2e_reward_s"] = median(reward_times[-args.e2e_iters:])
+                r["e2e_reward_s"] = median([t for t, _ in reward_times[-args.e2e_iters:]])
             r["e2e_mfu_executed"] = (rollout_flops + train_flops) / r["e2e_iteration_s"] / peak
             print(f"[{label}] end to end {r['e2e_images_per_s']:.3f} images/s (MFU {r['e2e_mfu_executed']:.3f}); memory {mem.phases}", flush=True)
+            if reward is not None and args.reward_chunks > 1:
+                measure_overlap(args, r, roll, lambda i: engine.train_batch(roll(200 + i, args.reward_chunks), loss_fn), reward_times, rollout_flops + train_flops, peak)
     r["peak_gb"] = max((p["peak_gb"] for p in mem.phases.values()), default=None)
     del engine, adapter, td
     torch._dynamo.reset()
     gc.collect()  # the variant's modules sit in reference cycles: without this the next variant builds beside them (77 GB on 2026-12-05)
     if cuda(device):
         torch.cuda.empty_cache()
+
+
+def measure_overlap(args, r: dict, roll, iterate, reward_times: list, flops: float, peak: float) -> None:
+    """The end-to-end loop with the reward off the critical path (``--reward-chunks C``): each rollout chunk scored on
+    the CPU cores while the GPU samples the next (:func:`rollout`), beside the serial loop just measured. First the
+    same iteration both ways: the samples, log-probs and rewards must be the serial loop's (``overlap_identical``)."""
+    serial, overlapped = roll(300), roll(300, args.reward_chunks)
+    same = {key: bool(torch.equal(serial[key], overlapped[key])) for key in ("latents", "log_probs", "rewards", "advantages")}
+    r["overlap_identical"] = all(same.values())
+    r["overlap_identical_by_key"] = same
+    r["overlap_max_abs_reward_diff"] = float((serial["rewards"] - overlapped["rewards"]).abs().max())
+    del serial, overlapped
+    start = len(reward_times)
+    times = timed(lambda i=[0]: (i.__setitem__(0, i[0] + 1), iterate(i[0])), args.device, args.e2e_iters)
+    r["e2e_overlap_iteration_s"] = median(times)
+    r["e2e_overlap_images_per_s"] = args.batch / r["e2e_overlap_iteration_s"]
+    r["e2e_overlap_reward_s"] = median([t for t, _ in reward_times[start:]])
+    r["e2e_overlap_reward_wait_s"] = median([w for _, w in reward_times[start:]])
+    r["e2e_overlap_mfu_executed"] = flops / r["e2e_overlap_iteration_s"] / peak
+    r["reward_chunks"] = args.reward_chunks
+    print(f"[overlap] end to end with the reward overlapped ({args.reward_chunks} chunks): {r['e2e_overlap_images_per_s']:.3f} images/s "
+          f"(serial {r['e2e_images_per_s']:.3f}); reward {r['e2e_overlap_reward_s']:.2f} s of which {r['e2e_overlap_reward_wait_s']:.2f} s after sampling; "
+          f"identical to the serial loop: {r['overlap_identical']} {same}", flush=True)
 
 
 REFERENCE_PIPELINES = {"sd3": "StableDiffusion3Pipeline", "flux": "FluxPipeline", "qwen_image": "QwenImagePipeline"}
@@ -574,6 +631,9 @@ def main(argv=None):
     p.add_argument("--e2e-iters", type=int, default=2)
     p.add_argument("--reward", default="brightness", help="the end-to-end loop's reward: brightness (a free stand-in) or a registered "
                    "reward run in the loop, e.g. ocr (PP-OCRv4 via onnxruntime on the CPU cores; targets 'SIGN <prompt index>')")
+    p.add_argument("--reward-chunks", type=int, default=0, help="with a registered --reward: also measure the end-to-end loop with the reward "
+                   "off the critical path (the batch sampled in this many chunks, each scored on the CPU cores while the next samples), beside "
+                   "the serial loop; pass --rollout-micro dividing a chunk so both loops run the same kernels (results bit for bit)")
     p.add_argument("--peak-tflops", type=float, default=None, help="bf16 matmul rate the MFU divides by (default: measured here)")
     p.add_argument("--logp-tol", type=float, default=None)
     p.add_argument("--sdpa", default="cudnn", choices=["cudnn", "flash", "default"])
@@ -638,14 +698,14 @@ def main(argv=None):
 
 
 def table(results: dict) -> str:
-    rows = [("variant", "rollout img/s", "rollout MFU", "train s", "train MFU exec/counted", "e2e img/s", "e2e MFU", "max|Δlogp|", "peak GB")]
+    rows = [("variant", "rollout img/s", "rollout MFU", "train s", "train MFU exec/counted", "e2e img/s", "e2e overlapped img/s", "e2e MFU", "max|Δlogp|", "peak GB")]
     for label, r in results.get("variants", {}).items():
         if "error" in r:
-            rows.append((label, "error: " + r["error"][:80], "", "", "", "", "", "", str(r.get("memory_at_error_gb", ""))))
+            rows.append((label, "error: " + r["error"][:80], "", "", "", "", "", "", "", str(r.get("memory_at_error_gb", ""))))
             continue
         f = lambda k, fmt="{:.2f}": fmt.format(r[k]) if r.get(k) is not None else "–"  # noqa: E731
         rows.append((label, f("rollout_images_per_s"), f("rollout_mfu_executed", "{:.3f}"), f("train_s"),
-                     f"{f('train_mfu_executed', '{:.3f}')} / {f('train_mfu_counted', '{:.3f}')}", f("e2e_images_per_s", "{:.3f}"),
+                     f"{f('train_mfu_executed', '{:.3f}')} / {f('train_mfu_counted', '{:.3f}')}", f("e2e_images_per_s", "{:.3f}"), f("e2e_overlap_images_per_s", "{:.3f}"),
                      f("e2e_mfu_executed", "{:.3f}"), f("max_abs_dlogp", "{:.1e}"), f("peak_gb")))
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
     return f"{results['shape']} on {results['device']}\n" + "\n".join(" | ".join(str(c).ljust(w) for c, w in zip(row, widths)) for row in rows)

@@ -9,6 +9,10 @@ Two kernels compute it: ``scaled_mm`` (``torch._scaled_mm`` with rowwise scales:
 torch's CPU implementation) and ``emulate`` (the same quantised operands dequantised and multiplied in float32: exactly
 the formula, on any device). ``auto`` takes ``scaled_mm`` on a CUDA device of compute capability ≥ 8.9, else ``emulate``.
 
+A LoRA layer (peft's, over a linear) runs as one FP8 linear whose weight is ``W + Σ_active scale·B·A`` folded in float32
+before the quantisation (the fold ``model.fuse_lora_rollout`` does in bf16, here with no bf16 copy kept: the FP8 weight
+is the only copy the rollout reads), so an FP8 rollout runs no thin LoRA matmuls and needs no fused buffers.
+
 The rollout then samples from a slightly different policy than the one trained (the FP8 one): the trainer marks the
 trained policy as the proximal policy of the loss's truncated importance weights (``trainer.py``, the same correction
 as stale rollout replicas), so the update stays on-policy for the model-precision policy.
@@ -72,35 +76,67 @@ def pick_kernel(kernel: str, device: torch.device) -> str:
     return "scaled_mm" if fast else "emulate"
 
 
-def fp8_layers(module: nn.Module) -> list[nn.Linear]:
-    """The linear layers of ``module`` that run in FP8: every ``nn.Linear`` but LoRA's own thin ``lora_A``/``lora_B``
-    (a LoRA layer's base weight, fused or not, is one of them)."""
-    out = []
-    for name, layer in module.named_modules():
-        parts = name.split(".")
-        if isinstance(layer, nn.Linear) and not any(p.startswith("lora_") for p in parts) and layer.weight.dim() == 2:
+def lora_layer_class():
+    """peft's ``LoraLayer`` (``None`` without peft)."""
+    try:
+        from peft.tuners.lora import LoraLayer
+    except ImportError:  # pragma: no cover - peft is a dependency; a bare module has no LoRA layers
+        return None
+    return LoraLayer
+
+
+def fp8_layers(module: nn.Module) -> list[nn.Module]:
+    """The layers of ``module`` that run in FP8: every peft LoRA layer over an ``nn.Linear`` (its adapters folded into
+    the FP8 weight, :func:`effective_weight`) and every other ``nn.Linear`` that is neither such a layer's base nor
+    LoRA's own thin ``lora_A``/``lora_B``."""
+    lora_cls = lora_layer_class()
+    out, bases = [], set()
+    for name, layer in module.named_modules():  # a parent comes before its children
+        if lora_cls is not None and isinstance(layer, lora_cls) and isinstance(layer.get_base_layer(), nn.Linear):
+            out.append(layer)
+            bases.add(id(layer.get_base_layer()))
+        elif isinstance(layer, nn.Linear) and id(layer) not in bases and not any(p.startswith("lora_") for p in name.split(".")) \
+                and layer.weight.dim() == 2:
             out.append(layer)
     return out
+
+
+def effective_weight(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(weight, bias)`` that ``layer`` computes with: a plain linear's own; a LoRA layer's base weight plus
+    ``Σ scale·B·A`` over its active adapters in float32 (none when its adapters are disabled, the reference policy,
+    or already merged into the base weight, ``model.fuse_lora_rollout``)."""
+    base = layer.get_base_layer() if hasattr(layer, "get_base_layer") else layer
+    weight = base.weight.detach()
+    if base is layer or layer.disable_adapters or layer.merged:
+        return weight, base.bias
+    active = [a for a in layer.active_adapters if a in layer.lora_A]
+    if any(getattr(layer, "use_dora", {}).get(a, False) for a in active):
+        raise ValueError("model.rollout_precision=fp8 folds LoRA adapters into the FP8 weight; DoRA adapters cannot be folded so")
+    total = weight.float()
+    for a in active:
+        total = total.addmm(layer.lora_B[a].weight.detach().float(), layer.lora_A[a].weight.detach().float(), alpha=float(layer.scaling[a]))
+    return total, base.bias
 
 
 @contextlib.contextmanager
 def fp8_linears(module: nn.Module, kernel: str = "auto") -> Iterator[int]:
     """Run ``module``'s linear layers (:func:`fp8_layers`) in FP8 inside the context (gradient-free calls only); the
-    weights are quantised on entry, from their current values (a fused LoRA included), and every layer's own forward
-    is restored on exit. Yields the number of layers."""
+    weights are quantised on entry, from their current values (LoRA adapters folded in, :func:`effective_weight`),
+    and every layer's own forward is restored on exit. Yields the number of layers."""
     if torch.is_grad_enabled():
         raise RuntimeError("FP8 rollouts are for gradient-free calls (rollouts) only; run them under torch.no_grad()")
     layers = fp8_layers(module)
-    chosen = pick_kernel(kernel, layers[0].weight.device) if layers else "emulate"
+    chosen = pick_kernel(kernel, next(layers[0].parameters()).device) if layers else "emulate"
     try:
         for layer in layers:
-            w = layer.weight.detach()
+            w, b = effective_weight(layer)
             scale = rowwise_scale(w)
-            q, b = quantize(w, scale), layer.bias
+            q = quantize(w, scale)
+            del w
             # the FP8 tensor cores take sizes in multiples of 16; another layer gets the same formula emulated
-            own = chosen if chosen == "emulate" or (layer.in_features % 16 == 0 and layer.out_features % 16 == 0) else "emulate"
+            own = chosen if chosen == "emulate" or (q.shape[1] % 16 == 0 and q.shape[0] % 16 == 0) else "emulate"
 
-            def forward(x, q=q, scale=scale, b=b, own=own):
+            def forward(x, *args, q=q, scale=scale, b=b, own=own, **kwargs):
                 return fp8_linear(x, q, scale, b, own)
 
             layer.forward = forward  # an instance attribute shadows the class's forward until it is deleted
