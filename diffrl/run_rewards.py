@@ -110,14 +110,15 @@ def build_trained_rewards(r: RewardConfig) -> dict[str, tuple[Any, float]]:
 
 
 def build_rewards(r: RewardConfig) -> RunRewards:
-    """The run's rewards (:class:`RunRewards`): the trained ones, then each other evaluation metric, then the feature space."""
-    trained = build_trained_rewards(r)
-    metrics = {name: fn for name, (fn, _) in trained.items()}
-    for name in eval_metric_names(r):
-        if name not in metrics:
-            metrics[name] = build_reward(name, **r.options.get(name, {}))
+    """The run's rewards (:class:`RunRewards`), each built once with its ``reward.options``: the trained ones, then each
+    other evaluation metric, then the feature space."""
+    weights, evaluated = reward_weights(r), eval_metric_names(r)
+    built: dict[str, Any] = {}
+    for name in dict.fromkeys([*weights, *evaluated]):  # the trained rewards first
+        built[name] = build_reward(name, **r.options.get(name, {}))
     space = build_feature_space(r.feature_space, r.options.get(r.feature_space, {})) if r.feature_space else None
-    return RunRewards(trained, metrics, space, gold_name=r.gold, judge_names=[n for n in r.judges if n != r.gold], fidelity_name=r.fidelity)
+    return RunRewards({name: (built[name], w) for name, w in weights.items()}, built, space, gold_name=r.gold,
+                      judge_names=[n for n in r.judges if n != r.gold], fidelity_name=r.fidelity)
 
 
 __all__ = ["RunRewards", "build_rewards", "build_trained_rewards", "reward_keys", "reward_weights", "validate_rewards"]

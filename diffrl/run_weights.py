@@ -21,17 +21,15 @@ def hub_weights(model: ModelConfig, reward: RewardConfig, *, local: bool = False
     """``(config key, reference, kind)`` of every checkpoint the run loads: ``model.path`` first, then each reward's
     weights (given in ``reward.options`` or the reward's published default, ``Reward.hub_weights``). Hub references
     only, unless ``local`` (then local paths too)."""
-    out = []
-    if model.path is not None and (local or is_hub_ref(model.path)):
-        out.append(("model.path", str(model.path), "family"))
-    r = reward
+    r, rewards = reward, []
     for name in dict.fromkeys([*eval_metric_names(r), *([r.feature_space] if r.feature_space else [])]):
         refs = getattr(resolve_reward(name), "weight_refs", None)
         options = dict(r.options.get(name, {}) or {})
         for option, weights in (refs(options) if callable(refs) else {}).items():
             if local or is_hub_ref(weights.ref):
-                out.append((f"+reward.options.{name}.{option}", weights.ref, weights.kind))
-    return out
+                rewards.append((f"+reward.options.{name}.{option}", weights.ref, weights.kind))
+    loads_model = model.path is not None and (local or is_hub_ref(model.path))
+    return [("model.path", str(model.path), "family")] * loads_model + rewards
 
 
 def _fetch_line(message: str) -> str:
@@ -55,10 +53,10 @@ def check_weights(model: ModelConfig, reward: RewardConfig, *, hub: bool = True)
         if not hub:
             continue
         try:
-            if kind == "family":
-                resolve_model_path(model.family, ref, model.revision)
-            else:
+            if kind != "family":
                 resolve_weights(ref, kind, key=key)
+            else:
+                resolve_model_path(model.family, ref, model.revision)
         except HubError as exc:
             missing.append((key, str(exc)))
     if len(missing) == 1:
