@@ -57,7 +57,6 @@ def validate_rewards(r: RewardConfig, prompts: dict[str, str | None]) -> None:
     weights = list(r.weights)
     if not all(isinstance(w, (int, float)) and math.isfinite(w) for w in weights):
         raise ConfigError(f"reward.weights={weights} is invalid: each must be a finite number")
-    read = {key: prompt_texts(spec) for key, spec in prompts.items() if spec}  # texts and metadata rows only: no image
     resolved = {}
     for key, name in reward_keys(r):
         try:
@@ -67,7 +66,10 @@ def validate_rewards(r: RewardConfig, prompts: dict[str, str | None]) -> None:
         extra = missing_extra(name)
         if extra:
             raise ConfigError(f"{key}: {extra}")
-    for key, (texts, table) in read.items():
+    for key, spec in prompts.items():
+        if not spec:
+            continue
+        texts, table = prompt_texts(spec)  # texts and metadata rows only: no image
         rows = [table.get(t) for t in texts]
         for target in resolved.values():
             check = getattr(target, "check_prompts", None)
