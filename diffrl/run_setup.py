@@ -31,7 +31,7 @@ def run_context(cfg: Config, batch: BatchPlan | None = None) -> RunContext:
     return algorithm_context(cfg.trainer.seed, cfg.sampler, cfg.reward, batch)
 
 
-def workers_config(model: ModelConfig, sampler: SamplerConfig, algorithm: Algorithm, *, seed: int, steps: int) -> WorkerConfig:
+def build_worker_config(model: ModelConfig, sampler: SamplerConfig, algorithm: Algorithm, *, seed: int, steps: int) -> WorkerConfig:
     """What every worker builds its model and engine from: the model's and the sampler's configs as they are, the
     algorithm's optimizer (its ``Config``), the seed and the optimizer steps of ``steps`` RL steps."""
     return WorkerConfig(
@@ -41,10 +41,10 @@ def workers_config(model: ModelConfig, sampler: SamplerConfig, algorithm: Algori
 
 
 def worker_config(cfg: Config | DictConfig, algorithm: Algorithm | None = None) -> WorkerConfig:
-    """:func:`workers_config` of a whole config (``algorithm``: else the one it names, built)."""
+    """:func:`build_worker_config` of a whole config (``algorithm``: else the one it names, built)."""
     cfg = to_config(cfg)
     algorithm = algorithm or build_algorithm(cfg.algorithm, run_context(cfg))
-    return workers_config(cfg.model, cfg.sampler, algorithm, seed=cfg.trainer.seed, steps=cfg.trainer.steps)
+    return build_worker_config(cfg.model, cfg.sampler, algorithm, seed=cfg.trainer.seed, steps=cfg.trainer.steps)
 
 
 def build_workers(dist: DistributedConfig, config: WorkerConfig, *, threads: int | None = None) -> tuple[WorkerGroup, RolloutReplicas | None]:
@@ -72,4 +72,4 @@ def build_workers(dist: DistributedConfig, config: WorkerConfig, *, threads: int
     return workers, replicas
 
 
-__all__ = ["algorithm_context", "build_workers", "run_context", "worker_config", "workers_config"]
+__all__ = ["algorithm_context", "build_worker_config", "build_workers", "run_context", "worker_config"]

@@ -42,7 +42,7 @@ from diffrl.rollout_driver import RolloutDriver, rollout_request, window_masks
 from diffrl.run_evaluation import RunEvaluation, eval_line
 from diffrl.run_report import throughput
 from diffrl.run_rewards import build_rewards
-from diffrl.run_setup import algorithm_context, build_workers, workers_config
+from diffrl.run_setup import algorithm_context, build_worker_config, build_workers
 from diffrl.sampling.schedules import build_window
 from rewards.base import RewardError
 
@@ -97,7 +97,7 @@ class Trainer:
 
     def _build_workers(self) -> None:
         cfg = self.cfg
-        config = workers_config(cfg.model, cfg.sampler, self.algorithm, seed=cfg.trainer.seed, steps=cfg.trainer.steps)
+        config = build_worker_config(cfg.model, cfg.sampler, self.algorithm, seed=cfg.trainer.seed, steps=cfg.trainer.steps)
         self.workers, self.replicas = build_workers(cfg.distributed, config, threads=cfg.trainer.threads)
         self.workers.set_loss_fn(self.algorithm.objective())
         self.driver = RolloutDriver(self.algorithm, self.workers, self.replicas, self.rewards.trained, self.prompt_metadata, self.rollout_request,
