@@ -79,7 +79,7 @@ def _per_optimizer_step(steps: int, *, _root_) -> int:
         if int(_root_.trainer[key]) < 1:
             raise ValueError(f"trainer.{key}={_root_.trainer[key]} is invalid: it must be ≥ 1 (algorithm.mini_batch_size=${{optimizer_steps:{steps}}} "
                              "is derived from it)")
-    batch = int(_root_.trainer.prompts_per_step) * int(_root_.trainer.group_size)
+    batch = BatchPlan.of(_root_.trainer).rows
     if int(steps) < 1 or batch % int(steps):
         raise ValueError(f"algorithm.mini_batch_size=${{optimizer_steps:{steps}}}: {batch} trajectories per step "
                          f"(trainer.prompts_per_step × trainer.group_size) do not split into {steps} equal optimizer steps")
