@@ -393,7 +393,7 @@ def measure(args, label: str, compile_on: bool, results: dict):
         r["logp_ok"] = r["max_abs_dlogp"] <= args.logp_tol
         print(f"[{label}] built in {r['build_s']:.0f} s ({r['transformer_params_b']:.2f} B); warm-up rollout {r['first_rollout_s']:.1f} s, "
               f"train {r['first_train_s']:.1f} s; max|Δlogp| {r['max_abs_dlogp']:.2e}; memory {mem.phases}", flush=True)
-    key = "flops_fused" if "fuse" in label else "flops"  # a fused rollout executes no LoRA matmuls
+    key = "flops_full" if full else "flops_fused" if "fuse" in label else "flops"  # a fused rollout executes no LoRA matmuls; full FT computes weight gradients
     if key not in results or ("train_step_flops_per_trajectory" not in results[key] and not args.rollout_only):
         results[key] = count_flops(engine, adapter, td, args.cfg, args.micro_batch, train=not args.rollout_only)
         results[key]["analytic_forward_flops_per_image"] = engine_forward_flops(adapter, s, args, r["n_text_tokens"])
