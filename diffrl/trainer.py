@@ -68,12 +68,11 @@ class Trainer:
         if t.threads:
             torch.set_num_threads(int(t.threads))
         self.batch = BatchPlan.of(t, cfg.distributed, cfg.model, cfg.algorithm)  # the batch arithmetic, once
-        validate_distributed(cfg.distributed, self.batch, cfg.model, async_chunks=int(cfg.reward.async_chunks), ema=bool(cfg.eval.ema))
+        validate_distributed(cfg.distributed, self.batch, cfg.model, cfg.sampler, async_chunks=int(cfg.reward.async_chunks), ema=bool(cfg.eval.ema))
         self.output_dir = Path(t.output_dir or f"outputs/{cfg.experiment}-{datetime.now():%Y%m%d-%H%M%S}")
         self.run = run = algorithm_context(t.seed, cfg.sampler, cfg.reward, self.batch)
         self.algorithm = build_algorithm(cfg.algorithm, run)
-        self.algorithm.validate(self.batch.num_workers)
-        check_objective(cfg.distributed, cfg.model, self.algorithm)
+        check_objective(cfg.distributed, cfg.model, self.algorithm, num_workers=self.batch.num_workers)
         self.fingerprint = fingerprint(cfg.model, t, self.algorithm.name)  # what a checkpoint must share to be resumed
         self.resume_path, self.damaged, self.notices = None, [], []
         self.restart_from_scratch = False

@@ -4,15 +4,14 @@ one Ray actor per rank with torch.distributed and FSDP2)."""
 
 from diffrl.distributed.controller import Dispatch, LocalExecutor, WorkerGroup, WorkerLostError, register
 from diffrl.distributed.ray import RayExecutor
-from diffrl.engine import sequence_parallel
 
 __all__ = ["Dispatch", "LocalExecutor", "RayExecutor", "WorkerGroup", "WorkerLostError", "build_worker_group", "register"]
 
 
 def build_worker_group(worker_cls: type, config, *, backend: str = "local", num_workers: int = 1, role: str = "actor_rollout_ref", **ray_options) -> WorkerGroup:
     """A :class:`WorkerGroup` of ``worker_cls`` for ``backend`` ``local`` (1 worker, this process) or ``ray``; with
-    ``config.model.sequence_parallel`` > 1 its ranks form groups that split each sample's tokens (checked first)."""
-    sequence_parallel.check_config(config.model, config.sampler, num_workers=num_workers, backend=backend)
+    ``config.model.sequence_parallel`` > 1 its ranks form groups that split each sample's tokens (checked before any
+    work with the other distributed settings: ``diffrl.distributed.checks.validate_distributed``)."""
     k = int(config.model.sequence_parallel)
     if backend == "local":
         if num_workers != 1:

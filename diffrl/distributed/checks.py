@@ -1,6 +1,7 @@
 """The distributed config's checks (``distributed.*``): the backend can run the workers asked for, and the run's
 batch (:class:`~diffrl.config.BatchPlan`) splits evenly over its ranks, mini-batches, reward chunks and rollout
-replicas, before any work (:func:`validate_distributed`, also ``diffrl.recipes.check_sizes``); and the rollouts these settings make
+replicas, and the model's sequence-parallel groups over its ranks and tokens, before any work (:func:`validate_distributed`, also
+``diffrl.recipes.check_sizes``); and the rollouts these settings make
 against what the algorithm's objective declares (:func:`check_objective`). Each error is one line naming the keys and
 what is valid."""
 
@@ -9,7 +10,8 @@ from __future__ import annotations
 import importlib.util
 
 from diffrl.algorithms import Algorithm, registered_where
-from diffrl.config import BatchPlan, DistributedConfig, ModelConfig
+from diffrl.config import BatchPlan, DistributedConfig, ModelConfig, SamplerConfig
+from diffrl.engine import sequence_parallel
 
 
 def check_backend(dist: DistributedConfig) -> None:
@@ -25,11 +27,14 @@ def check_backend(dist: DistributedConfig) -> None:
                              "installed: pip install -e '.[ray]'")
 
 
-def validate_distributed(dist: DistributedConfig, batch: BatchPlan, model: ModelConfig, *, async_chunks: int, ema: bool, backend: bool = True) -> None:
+def validate_distributed(dist: DistributedConfig, batch: BatchPlan, model: ModelConfig, sampler: SamplerConfig, *, async_chunks: int, ema: bool,
+                         backend: bool = True) -> None:
     """The global sizes of ``batch`` against workers, mini-batches, reward chunks (``reward.async_chunks``) and rollout
-    replicas; ``model``'s FSDP2 / fused-LoRA settings against the ranks, ``eval.ema`` (``ema``) against full fine-tuning.
-    The backend first (:func:`check_backend`) unless ``backend`` is false (``diffrl plan`` plans N Ray ranks on a
-    machine without Ray)."""
+    replicas; ``model``'s FSDP2 / fused-LoRA settings against the ranks, ``eval.ema`` (``ema``) against full fine-tuning;
+    last ``model.sequence_parallel`` against the family, the ranks and the heads and tokens at ``sampler``'s size
+    (``diffrl.engine.sequence_parallel.check_config``). The backend first (:func:`check_backend`) and the
+    sequence-parallel groups last unless ``backend`` is false (``diffrl plan`` plans N Ray ranks on a machine without
+    Ray, and checks the groups over the ranks it plans)."""
     P, G = batch.prompts_per_step, batch.group_size
     if P < 1 or G < 1:
         raise ValueError(f"trainer.prompts_per_step and trainer.group_size must be ≥ 1, got {P} and {G}")
@@ -87,14 +92,18 @@ def validate_distributed(dist: DistributedConfig, batch: BatchPlan, model: Model
         raise ValueError(f"distributed.rollout_replicas={R} must divide the {rows // C} rollouts of a request (prompts_per_step × group_size / reward.async_chunks); valid: {valid}")
     if s and C > 1:
         raise ValueError(f"reward.async_chunks={C} with distributed.max_staleness={s}: off-policy rollouts already overlap rewards with sampling; set reward.async_chunks=1")
+    if backend:
+        sequence_parallel.check_config(model, sampler, num_workers=W, backend=dist.backend)
 
 
-def check_objective(dist: DistributedConfig, model: ModelConfig, algorithm: Algorithm) -> None:
-    """The rollouts of ``distributed.*`` and ``model.rollout_precision`` against what the algorithm's objective declares
-    (``algorithm.spec``, an :class:`~diffrl.algorithms.ObjectiveSpec`), before any work: off-policy rollouts (replicas
-    with staleness, FP8 rollouts) need an objective that corrects them (the algorithms able to are named from the
-    registry); replicas cannot sync a full fine-tune's old policy. What the run does follows from the settings and the
-    declared spec (``diffrl.rollout_driver.low_precision_rollouts``)."""
+def check_objective(dist: DistributedConfig, model: ModelConfig, algorithm: Algorithm, *, num_workers: int) -> None:
+    """The algorithm against the run's ranks and rollouts, before any work: first its own settings against the
+    ``num_workers`` ranks (``Algorithm.validate``), then the rollouts of ``distributed.*`` and ``model.rollout_precision``
+    against what its objective declares (``algorithm.spec``, an :class:`~diffrl.algorithms.ObjectiveSpec`): off-policy
+    rollouts (replicas with staleness, FP8 rollouts) need an objective that corrects them (the algorithms able to are
+    named from the registry); replicas cannot sync a full fine-tune's old policy. What the run does follows from the
+    settings and the declared spec (``diffrl.rollout_driver.low_precision_rollouts``)."""
+    algorithm.validate(num_workers)
     d, m = dist, model
     spec = algorithm.spec
     corrects = spec.corrects_off_policy  # its loss weights behaviour log-probs by truncated IS

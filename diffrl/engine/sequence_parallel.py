@@ -23,7 +23,7 @@ and ``WanTransformer3DModel._cp_plan``); it resolves its device as ``rank % torc
 fails on CPU (no accelerator: a division by zero), so it cannot run on gloo, and it builds its own device mesh beside
 FSDP2's. This module is torch.distributed only and works on any backend (gloo on CPU, NCCL on GPUs).
 
-Bad input is refused before work (:func:`check_layout`): ``k`` must divide the world size, the number of attention
+Bad input is refused before work (:func:`check_config`, run with the distributed checks): ``k`` must divide the world size, the number of attention
 heads and the number of video tokens (no padding: a token count that ``k`` does not divide is an error naming the
 sizes that work).
 """
@@ -244,16 +244,6 @@ def apply_wan(transformer: nn.Module, sp: SequenceParallel) -> nn.Module:
     return transformer
 
 
-def check_layout(size: int, *, heads: int | None, tokens: int | None) -> None:
-    """Refuse a group size that does not divide the heads or the video tokens (None: not known here, checked when the
-    model runs)."""
-    if heads is not None and heads % size:
-        raise ValueError(f"model.sequence_parallel={size} must divide the transformer's {heads} attention heads; valid: {divisors(heads)}")
-    if tokens is not None and tokens % size:
-        raise ValueError(f"model.sequence_parallel={size} must divide the {tokens} video tokens per sample (no padding: change "
-                         f"sampler.height/width or the frames); valid: {divisors(tokens)}")
-
-
 def check_config(model, sampler, *, num_workers: int, backend: str) -> None:
     """Refuse ``model.sequence_parallel`` settings that cannot run, before any worker starts: a family that is not a
     video family, a local (one-process) backend, a rank count that the group size does not divide, a group size that
@@ -275,5 +265,9 @@ def check_config(model, sampler, *, num_workers: int, backend: str) -> None:
     if backend != "ray" or num_workers % k:
         raise ValueError(f"model.sequence_parallel={k} needs ranks in groups of {k}: distributed.backend=ray with distributed.num_workers a "
                          f"multiple of {k} (ranks = data-parallel groups × {k}); got backend={backend} with {num_workers} worker(s)")
-    heads, tokens = layout(int(sampler.height), int(sampler.width), **model.adapter_kwargs())
-    check_layout(k, heads=heads, tokens=tokens)
+    heads, tokens = layout(int(sampler.height), int(sampler.width), **model.adapter_kwargs())  # None: not known here, checked when the model runs
+    if heads is not None and heads % k:
+        raise ValueError(f"model.sequence_parallel={k} must divide the transformer's {heads} attention heads; valid: {divisors(heads)}")
+    if tokens is not None and tokens % k:
+        raise ValueError(f"model.sequence_parallel={k} must divide the {tokens} video tokens per sample (no padding: change "
+                         f"sampler.height/width or the frames); valid: {divisors(tokens)}")
