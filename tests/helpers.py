@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
 from pathlib import Path
+
+import torch.multiprocessing as mp
 
 from diffrl.config import LoraConfig, ModelConfig, OptimConfig, SamplerConfig
 from diffrl.engine.engine import DiffusionEngine
@@ -46,3 +49,18 @@ def fidelity_gain(summary: dict) -> float:
     fidelity = summary["fidelity"]
     assert fidelity["gain"] is not None, f"the trained evaluations fell below the diversity floor: {fidelity}"
     return fidelity["last_gain"]
+
+
+# Modules every rank process of a test imports: the fork server imports them once per test process, and each rank
+# forks from it with them loaded. A spawned rank imported them itself (torch, tensordict's torch._dynamo, diffusers,
+# peft: 6-10 s alone, 30 s per pair of ranks beside the other xdist process on 2 cores).
+RANK_PRELOAD = ["torch", "tensordict", "torch.distributed.fsdp", "diffusers", "peft", "diffrl.engine.engine", "diffrl.distributed.workers",
+                "pipelines"]
+
+
+def start_ranks(fn, args: tuple, nprocs: int = 2) -> None:
+    """Run ``fn(rank, *args)`` in ``nprocs`` fresh processes and wait for them (``torch.multiprocessing.start_processes``),
+    started by a fork server that has the heavy modules loaded. The server holds no threads and no process group (it
+    only imports), so each rank starts as clean as a spawned one; a rank's exception is raised here, as with spawn."""
+    multiprocessing.set_forkserver_preload(RANK_PRELOAD)  # read when the server starts (this process's first call)
+    mp.start_processes(fn, args=args, nprocs=nprocs, start_method="forkserver")

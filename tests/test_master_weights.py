@@ -27,9 +27,9 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from diffrl.config import LoraConfig, ModelConfig, OptimConfig, SamplerConfig
+from helpers import start_ranks
 
 LR = 1e-5
 PROMPTS = ["a cat", "a dog"]
@@ -264,7 +264,7 @@ def _rank_main(rank: int, port: int, folder: str) -> None:
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     folder = tmp_path_factory.mktemp("fsdp_masters")
-    mp.start_processes(_rank_main, args=(_free_port(), str(folder)), nprocs=2, start_method="spawn")
+    start_ranks(_rank_main, (_free_port(), str(folder)))
     return folder, [torch.load(folder / f"rank{r}.pt", weights_only=True) for r in range(2)]
 
 

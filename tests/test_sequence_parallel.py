@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from diffrl.config import ModelConfig, OptimConfig, SamplerConfig
 from diffrl.recipes import compose
+from helpers import start_ranks
 
 PROMPTS = ["a cat", "a dog"]
 
@@ -141,7 +141,7 @@ def _rank_main(rank: int, port: int, folder: str) -> None:
 def two_ranks(tmp_path_factory):
     """Every k = 2 result of both ranks (one spawn of two gloo processes serves all parity tests)."""
     folder = tmp_path_factory.mktemp("sp")
-    mp.start_processes(_rank_main, args=(_free_port(), str(folder)), nprocs=2, start_method="spawn")
+    start_ranks(_rank_main, (_free_port(), str(folder)))
     return [torch.load(folder / f"rank{r}.pt", weights_only=True) for r in range(2)]
 
 
