@@ -34,7 +34,7 @@ from diffrl.algorithms import Pairs, build_algorithm
 from diffrl.config import BatchPlan
 from diffrl.data import family_default_prompts, family_prompts, step_prompts
 from diffrl.distributed import WorkerLostError
-from diffrl.distributed.checks import check_objective, validate_distributed
+from diffrl.distributed.checks import validate_distributed
 from diffrl.logging import Progress, RunLogger
 from diffrl.recipes import Config, validate
 from diffrl.resume import checkpoint_path, cut_records, fingerprint, pick_checkpoint, set_aside
@@ -68,11 +68,12 @@ class Trainer:
         if t.threads:
             torch.set_num_threads(int(t.threads))
         self.batch = BatchPlan.of(t, cfg.distributed, cfg.model, cfg.algorithm)  # the batch arithmetic, once
-        validate_distributed(cfg.distributed, self.batch, cfg.model, cfg.sampler, async_chunks=int(cfg.reward.async_chunks), ema=bool(cfg.eval.ema))
-        self.output_dir = Path(t.output_dir or f"outputs/{cfg.experiment}-{datetime.now():%Y%m%d-%H%M%S}")
         self.run = run = algorithm_context(t.seed, cfg.sampler, cfg.reward, self.batch)
         self.algorithm = build_algorithm(cfg.algorithm, run)
-        check_objective(cfg.distributed, cfg.model, self.algorithm, num_workers=self.batch.num_workers)
+        # the sizes, then the algorithm against the ranks and rollouts, then the sequence-parallel groups
+        validate_distributed(cfg.distributed, self.batch, cfg.model, cfg.sampler, async_chunks=int(cfg.reward.async_chunks), ema=bool(cfg.eval.ema),
+                             algorithm=self.algorithm)
+        self.output_dir = Path(t.output_dir or f"outputs/{cfg.experiment}-{datetime.now():%Y%m%d-%H%M%S}")
         self.fingerprint = fingerprint(cfg.model, t, self.algorithm.name)  # what a checkpoint must share to be resumed
         self.resume_path, self.damaged, self.notices = None, [], []
         self.restart_from_scratch = False

@@ -356,7 +356,8 @@ def resolve_model_path(family: str, path: str | None, revision: str | None = Non
     cannot be had, e.g. offline and not cached: it names the repository, the revision and the fetch command)."""
     if path is None:
         return None
-    return str(resolve_folder(str(path), revision=revision, allow_patterns=hub_patterns(family), ignore_patterns=HUB_IGNORE, key="model.path"))
+    patterns = hub_patterns(family)  # the family's components (an unknown family fails here, before any download)
+    return str(resolve_folder(str(path), revision=revision, allow_patterns=patterns, ignore_patterns=HUB_IGNORE, key="model.path"))
 
 
 def check_adapter_options(family: str, kwargs: Mapping) -> type:

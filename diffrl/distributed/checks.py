@@ -28,13 +28,13 @@ def check_backend(dist: DistributedConfig) -> None:
 
 
 def validate_distributed(dist: DistributedConfig, batch: BatchPlan, model: ModelConfig, sampler: SamplerConfig, *, async_chunks: int, ema: bool,
-                         backend: bool = True) -> None:
+                         backend: bool = True, algorithm: Algorithm | None = None) -> None:
     """The global sizes of ``batch`` against workers, mini-batches, reward chunks (``reward.async_chunks``) and rollout
     replicas; ``model``'s FSDP2 / fused-LoRA settings against the ranks, ``eval.ema`` (``ema``) against full fine-tuning;
-    last ``model.sequence_parallel`` against the family, the ranks and the heads and tokens at ``sampler``'s size
-    (``diffrl.engine.sequence_parallel.check_config``). The backend first (:func:`check_backend`) and the
-    sequence-parallel groups last unless ``backend`` is false (``diffrl plan`` plans N Ray ranks on a machine without
-    Ray, and checks the groups over the ranks it plans)."""
+    then the run's ``algorithm`` (when given: :func:`check_objective`); last ``model.sequence_parallel`` against the
+    family, the ranks and the heads and tokens at ``sampler``'s size (``diffrl.engine.sequence_parallel.check_config``).
+    The backend first (:func:`check_backend`) and the sequence-parallel groups last unless ``backend`` is false
+    (``diffrl plan`` plans N Ray ranks on a machine without Ray, and checks the groups over the ranks it plans)."""
     P, G = batch.prompts_per_step, batch.group_size
     if P < 1 or G < 1:
         raise ValueError(f"trainer.prompts_per_step and trainer.group_size must be ≥ 1, got {P} and {G}")
@@ -92,6 +92,8 @@ def validate_distributed(dist: DistributedConfig, batch: BatchPlan, model: Model
         raise ValueError(f"distributed.rollout_replicas={R} must divide the {rows // C} rollouts of a request (prompts_per_step × group_size / reward.async_chunks); valid: {valid}")
     if s and C > 1:
         raise ValueError(f"reward.async_chunks={C} with distributed.max_staleness={s}: off-policy rollouts already overlap rewards with sampling; set reward.async_chunks=1")
+    if algorithm is not None:
+        check_objective(dist, model, algorithm, num_workers=W)
     if backend:
         sequence_parallel.check_config(model, sampler, num_workers=W, backend=dist.backend)
 
