@@ -353,6 +353,7 @@ def check_sizes(cfg: Config | DictConfig, *, backend: bool = True) -> None:
     """Global sizes against workers and mini-batches, before any work: a clear error with valid sizes
     (``diffrl.distributed.checks.validate_distributed`` on the run's :class:`~diffrl.config.BatchPlan`). The backend first unless
     ``backend`` is false (``diffrl plan`` plans N Ray ranks on a machine without Ray)."""
+    cfg = to_config(cfg)
     batch = BatchPlan.of(cfg.trainer, cfg.distributed, cfg.model, cfg.algorithm)
     validate_distributed(cfg.distributed, batch, cfg.model, cfg.sampler, async_chunks=int(cfg.reward.async_chunks), ema=bool(cfg.eval.ema), backend=backend)
 
