@@ -1,7 +1,7 @@
 """What a recipe's reward models hold on the GPU, for ``diffrl plan``: parameters from the published weights each reward
 declares (``Reward.weight_refs``: the Hub references its options load), times the bytes of the dtype it runs in.
 
-The trainer builds the rewards of ``reward.names`` in its own process (``diffrl.run_setup.build_rewards``), on the
+The trainer builds the rewards of ``reward.names`` in its own process (``diffrl.run_rewards.build_rewards``), on the
 device of their ``device`` option: one on ``cuda`` sits beside rank 0's policy. :data:`REWARD_PARAMS` holds the
 parameters of every published reward checkpoint, counted on ``meta`` from the published architectures in
 :func:`published_reward_model` (``tests/test_plan.py`` rebuilds them); a reference not listed (a local checkpoint, an
