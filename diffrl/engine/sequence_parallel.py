@@ -23,9 +23,9 @@ and ``WanTransformer3DModel._cp_plan``); it resolves its device as ``rank % torc
 fails on CPU (no accelerator: a division by zero), so it cannot run on gloo, and it builds its own device mesh beside
 FSDP2's. This module is torch.distributed only and works on any backend (gloo on CPU, NCCL on GPUs).
 
-Bad input is refused before work (:func:`check_config`, run with the distributed checks): ``k`` must divide the world size, the number of attention
-heads and the number of video tokens (no padding: a token count that ``k`` does not divide is an error naming the
-sizes that work).
+Bad input is refused before work (:func:`check_config`, run with the distributed checks,
+``diffrl.distributed.checks.validate_distributed``): ``k`` must divide the world size, the number of attention heads and
+the number of video tokens (no padding: a token count that ``k`` does not divide is an error naming the sizes that work).
 """
 
 from __future__ import annotations
