@@ -1,6 +1,6 @@
 """Fault injection, Ray: a rank's process killed with SIGKILL in the middle of a run (two gloo ranks, FSDP2).
-With ``trainer.max_restarts=1`` the driver restarts the workers from the newest checkpoint and finishes
-with the weights of an uninterrupted run; with 0 it stops with a one-line error naming the rank."""
+With ``trainer.max_restarts=1`` the driver restarts the workers from the newest checkpoint and goes on with the
+weights of an uninterrupted run; once the restarts are spent it stops with a one-line error naming the rank."""
 
 from __future__ import annotations
 
@@ -37,12 +37,14 @@ def cluster():
     ray.shutdown()
 
 
-def _kill_rank_before_step(trainer: Trainer, rank: int, step_index: int) -> list[int]:
+def _kill_ranks_before_steps(trainer: Trainer, kills: dict[int, int]) -> list[int]:
+    """SIGKILL rank ``kills[i]``'s process just before step index ``i`` runs (once per step index)."""
     killed: list[int] = []
     original = trainer.train_step
 
     def train_step(step):
-        if step == step_index and not killed:
+        rank = kills.pop(step, None)
+        if rank is not None:
             pid = ray.get(trainer.workers.executor.actors[rank].pid.remote())
             os.kill(pid, signal.SIGKILL)
             killed.append(pid)
@@ -60,29 +62,29 @@ def _records(run):
 @pytest.mark.ray
 @pytest.mark.slow
 def test_lost_rank_restarts_from_the_newest_checkpoint_or_stops_naming_it(tmp_path, cluster, capsys):
+    """One run of 4 steps with ``trainer.max_restarts=1``: rank 1 killed before step 3 restarts the workers from
+    step_000002, and the steps after it retrace the uninterrupted run bit for bit; rank 0 killed before step 4 finds the
+    restarts spent, and the run stops with one line naming rank 0, the newest checkpoint and the setting."""
     straight = Trainer(compose(_overrides(tmp_path, tmp_path / "straight")))
     straight.fit()
     straight.close()
 
-    restarted = Trainer(compose(_overrides(tmp_path, tmp_path / "restarted", "trainer.max_restarts=1", "trainer.progress=true")))
-    killed = _kill_rank_before_step(restarted, rank=1, step_index=2)
-    restarted.fit()
+    run = tmp_path / "restarted"
+    restarted = Trainer(compose(_overrides(tmp_path, run, "trainer.steps=4", "trainer.max_restarts=1", "trainer.progress=true")))
+    killed = _kill_ranks_before_steps(restarted, {2: 1, 3: 0})
+    with pytest.raises(RunStopped) as info:
+        restarted.fit()
     restarted.close()
-    assert len(killed) == 1
+    assert len(killed) == 2
     out = capsys.readouterr()
     assert "the worker of rank 1 on" in out.out + out.err and "restarting the workers from step_000002" in out.out + out.err
-    final = "checkpoints/step_000003/model.safetensors"
-    a, b = load_file(str(tmp_path / "straight" / final)), load_file(str(tmp_path / "restarted" / final))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert _records(tmp_path / "straight") == _records(tmp_path / "restarted")
-
-    stopped = Trainer(compose(_overrides(tmp_path, tmp_path / "stopped")))
-    _kill_rank_before_step(stopped, rank=0, step_index=1)
-    with pytest.raises(RunStopped) as info:
-        stopped.fit()
-    stopped.close()
     message = str(info.value)
-    assert "\n" not in message and "rank 0" in message and "step_000001" in message and "trainer.max_restarts" in message
+    assert "\n" not in message and "rank 0" in message and "step_000003" in message and "trainer.max_restarts" in message
+    # the restarted workers computed step 3 as the uninterrupted run did
+    final = "checkpoints/step_000003/model.safetensors"
+    a, b = load_file(str(tmp_path / "straight" / final)), load_file(str(run / final))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert _records(tmp_path / "straight") == _records(run)
 
 
 @pytest.mark.ray
