@@ -11,6 +11,7 @@ import torch
 
 from diffrl.sampling.evaluation import eval_prompts_and_seeds
 from diffrl.sampling.evaluator import evaluate
+from helpers import fidelity_gain
 from pipelines.digits_video import VIDEO_ASSET_DIR, DigitsVideoAdapter
 from rewards.base import build_reward, call_reward
 from rewards.digits.video import PROPERTIES, DigitsVideoReward
@@ -195,13 +196,17 @@ def test_clean_clip_prediction_returns_the_velocity_of_its_clean_clip(tmp_path):
 
 
 # -- the recipe ---------------------------------------------------------------------------------------------------
-SHORT_RUN_PROMPTS = ["a magenta two moving left", "a blue nine moving left"]
+SHORT_RUN_PROMPTS = ["a magenta two moving left", "a blue nine moving left", "a green four moving up", "a yellow six moving right"]
 
 
-def test_a_short_nft_run_raises_gold_on_held_out_seeds(tmp_path):
-    """DiffusionNFT from its recipe (+41.5 gold points in 120 steps: benchmarks/RESULTS.md), shrunk to two prompts and
-    10 steps: on the run's own held-out evaluation seeds (2 prompts × 16) gold rises by at least 4 clips in 32 (3 → 11
-    at 1 thread on the work machine) with at most one lost, and the training reward rises with it."""
+@pytest.mark.recipe
+def test_a_short_nft_run_raises_video_fidelity_on_held_out_seeds(tmp_path):
+    """DiffusionNFT from its recipe (+41.5 gold points in 120 steps: benchmarks/RESULTS.md), shrunk to four prompts
+    rarely drawn right by the base and 40 steps: on the run's own held-out evaluation seeds (4 prompts × 8) the fidelity
+    headline (the clip is right *and* its frames are real digits, which a run that hacks the reward does not raise)
+    rises, with the pixel diversity above its floor (work machine, 1 thread, 2026-12-06: fidelity 0.031 → 0.125, gold
+    0.156 → 0.375, 72 s). Two prompts for 10 steps raised gold 0.094 → 0.344 with fidelity flat at 0.0625 (realness
+    down), and two for 40 steps raised fidelity +31 points while the diversity fell below its floor: a collapse."""
     from diffrl.tools.cli import main
 
     prompts = tmp_path / "prompts.txt"
@@ -209,12 +214,12 @@ def test_a_short_nft_run_raises_gold_on_held_out_seeds(tmp_path):
     out = tmp_path / "run"
     rc = main([
         "train", "experiment=digits_video_nft", f"trainer.prompts={prompts}", f"trainer.output_dir={out}", "trainer.wandb=disabled",
-        "trainer.progress=false", "trainer.steps=10", "trainer.prompts_per_step=2", "trainer.group_size=8",
-        "eval.every=10", "eval.seeds_per_prompt=16", "trainer.checkpoint_every=0", "trainer.threads=1",
+        "trainer.progress=false", "trainer.steps=40", "trainer.prompts_per_step=4", "trainer.group_size=4",
+        "eval.every=40", "eval.seeds_per_prompt=8", "trainer.checkpoint_every=0", "trainer.threads=1",
     ])
     assert rc in (0, None)
     summary = json.loads((out / "summary.json").read_text())
-    gold = summary["paired_change"]["digits_video_gold"]
-    assert summary["gold_accuracy_before"] <= 0.15, summary  # these prompts' clips are rarely right on the base
-    assert gold["mean_change"] >= 4 / 32 and gold["worsened_fraction"] <= 1 / 32, gold
+    assert summary["fidelity"]["metric"] == "digits_video_fidelity", summary["fidelity"]
+    assert summary["gold_accuracy_before"] <= 0.2, summary  # these prompts' clips are rarely right on the base
+    assert fidelity_gain(summary) >= 2 / 32, summary
     assert summary["reward_after"] - summary["reward_before"] >= 0.05, summary
