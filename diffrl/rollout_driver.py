@@ -104,7 +104,7 @@ class RolloutDriver:
         request_fn: RL step → its rollout request (``Trainer.rollout_request``).
         steps: ``trainer.steps``; max_staleness: ``distributed.max_staleness``; async_chunks: ``reward.async_chunks``.
         rollout_precision: ``model.rollout_precision``: other than ``model`` (FP8), the rollouts sample another policy,
-            which the objective corrects (``spec.corrects_off_policy``; ``recipes.check_algorithm`` refuses one that does not).
+            which the objective corrects (``spec.corrects_off_policy``; ``distributed.checks.check_objective`` refuses one that does not).
     """
 
     def __init__(self, algorithm: Algorithm, workers: WorkerGroup, replicas: RolloutReplicas | None, rewards: dict, prompt_metadata,
