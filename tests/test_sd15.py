@@ -65,7 +65,10 @@ def test_rollout_training_parity_and_batch_invariance():
     td = sample_trajectories(sd15, prompts, settings=settings, seeds=[5, 6, 7, 8])
     assert torch.equal(engine.infer_batch(td)["log_probs"], td["log_probs"])
     alone = sample_trajectories(sd15, prompts[2:3], settings=settings, seeds=[7])
-    torch.testing.assert_close(alone["latents"][0], td["latents"][2], rtol=1e-5, atol=1e-5)
+    # a batch of one runs other conv/matmul blockings than a batch of four: float32 rounding through a UNet and 3 steps
+    # (ATEN_CPU_CAPABILITY=default on an AVX2 CPU, 2026-12-07: 1.2e-5 absolute on latents of magnitude ~0.1); a batch bug
+    # (another prompt's or seed's row) differs by O(1)
+    torch.testing.assert_close(alone["latents"][0], td["latents"][2], rtol=1e-4, atol=1e-4)
     # guidance > 1 equals a manual two-pass CFG
     x = td["latents"][:, 1]
     sigma = td["sigmas"][:, 1]
