@@ -39,9 +39,10 @@ from pipelines.shapes import PARENT_SHAPES, SHAPES  # noqa: E402
 MODEL_GROUP = {"sd3": "sd3_tiny", "flux": "flux_tiny", "qwen_image": "qwen_image_tiny", "wan": "wan_tiny"}
 
 
-def measurements(pattern: str = str(ROOT / "benchmarks/results/gpu_scale_*_h200.json")) -> list[dict]:
+def measurements(pattern: str = str(ROOT / "benchmarks/results/gpu_scale_*_h200.json"), variants: tuple[str, ...] = ()) -> list[dict]:
     """One row per file with a training measurement: its first variant without fused or CUDA-graph rollouts
-    (eager when measured), the settings, the peak and the step's seconds and MFUs."""
+    (eager when measured), the settings, the peak and the step's seconds and MFUs. With ``variants``: a row for each
+    named variant the file measured with training (FP8 rollouts and full fine-tuning included, see :func:`variant_overrides`)."""
     rows = []
     for path in sorted(glob.glob(pattern)):
         d = json.loads(Path(path).read_text())
@@ -50,13 +51,31 @@ def measurements(pattern: str = str(ROOT / "benchmarks/results/gpu_scale_*_h200.
             continue
         for label in sorted(d["variants"], key=lambda v: v != "eager"):
             v = d["variants"][label]
-            if "fuse" in label or "graphs" in label or "train_s" not in v or "cudagraphs" in Path(path).name:
+            if variants:
+                if label not in variants or "train_s" not in v:
+                    continue
+            elif "fuse" in label or "graphs" in label or "train_s" not in v or "cudagraphs" in Path(path).name:
                 continue
             rows.append({"file": Path(path).name, "variant": label, "settings": s, "shape": d["shape"], "peak_gib": v["peak_gb"],
                          "step_s": v["rollout_s"] + v["train_s"], "rollout_s": v["rollout_s"], "train_s": v["train_s"],
                          "rollout_mfu": v["rollout_mfu_executed"], "train_mfu": v["train_mfu_executed"], "peak_tflops": d["peak_tflops"]})
-            break
+            if not variants:
+                break
     return rows
+
+
+def variant_overrides(label: str) -> list[str]:
+    """What a ``gpu_scale.py`` variant label changes in the recipe: ``fp8`` samples with FP8 linears
+    (``model.rollout_precision=fp8``), ``fuse`` folds LoRA for the rollout, ``full`` trains every weight (LoRA rank 0,
+    fp32 master weights)."""
+    out = []
+    if "fp8" in label:
+        out.append("model.rollout_precision=fp8")
+    elif "fuse" in label:
+        out.append("model.fuse_lora_rollout=true")
+    if "full" in label:
+        out.append("model.lora.rank=0")
+    return out
 
 
 def overrides_of(s: dict, prompts_file: str | None) -> list[str]:
@@ -117,11 +136,13 @@ def stand_in_text(shape: str):
         SHAPES.update(saved)
 
 
-def compare(row: dict, folder: Path) -> dict:
+def compare(row: dict, folder: Path, published_text: bool = False) -> dict:
+    """Plan ``row``'s configuration (with its variant's overrides) and compare; ``published_text``: the run held the
+    published text encoders (runs from 2026-12-07 on), else the 2-layer stand-ins of the earlier runs."""
     s = row["settings"]
     start = time.perf_counter()
-    with stand_in_text(s["shape"]):
-        cfg, shape = plan_config(overrides_of(s, prompts_for(s, folder)), 1)
+    with contextlib.nullcontext() if published_text else stand_in_text(s["shape"]):
+        cfg, shape = plan_config(overrides_of(s, prompts_for(s, folder)) + variant_overrides(row["variant"]), 1)
         tr = trace_recipe(cfg, 1)
     rank = per_rank(tr, cfg, 1)
     peak = row["peak_tflops"] * 1e12
@@ -147,11 +168,15 @@ def table(results: list[dict]) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=None)
+    p.add_argument("--files", default=None, help="a glob of gpu_scale JSONs (default: every landed H200 run)")
+    p.add_argument("--variants", default="", help="comma list of variant labels to compare (default: each file's first plain variant)")
+    p.add_argument("--published-text", action="store_true", help="the runs held the published text encoders (from 2026-12-07 on)")
     args = p.parse_args(argv)
     results = []
+    rows = measurements(*([args.files] if args.files else []), variants=tuple(filter(None, args.variants.split(","))))
     with tempfile.TemporaryDirectory() as tmp:
-        for row in measurements():
-            results.append(compare(row, Path(tmp)))
+        for row in rows:
+            results.append(compare(row, Path(tmp), published_text=args.published_text))
             print(json.dumps(results[-1]), flush=True)
     print(table(results))
     if args.out:
