@@ -152,6 +152,20 @@ def test_plan_against_the_h200_measurements(tmp_path):
         assert abs(r["step_error"]) <= 0.20, r
 
 
+def test_named_variants_of_a_run_plan_with_their_own_settings():
+    """``--variants``: each named variant of a file that trained becomes a row (FP8 rollouts and full fine-tuning too),
+    planned with what its label changes; the default stays one plain variant per file."""
+    assert plan_vs_measured.variant_overrides("compiled_fp8") == ["model.rollout_precision=fp8"]
+    assert plan_vs_measured.variant_overrides("compiled_fuse") == ["model.fuse_lora_rollout=true"]
+    assert plan_vs_measured.variant_overrides("compiled_full") == ["model.lora.rank=0"]
+    assert plan_vs_measured.variant_overrides("eager") == []
+    path = str(Path(__file__).resolve().parents[1] / "benchmarks/results/gpu_scale_sd35m_fp8fold_full_h200.json")
+    rows = plan_vs_measured.measurements(path, variants=("compiled_fp8", "compiled_full", "reference"))
+    assert [r["variant"] for r in rows] == ["compiled_fp8", "compiled_full"]  # the reference trained nothing
+    assert rows[1]["peak_gib"] == 51.38 and rows[1]["step_s"] == pytest.approx(rows[1]["rollout_s"] + rows[1]["train_s"])
+    assert [r["variant"] for r in plan_vs_measured.measurements(path)] == ["compiled_fp8"]
+
+
 def test_recommends_the_cheapest_change_that_fits():
     """A budget below the default recipe's peak: the plan says it does not fit and names a change whose plan fits;
     a budget below the weights themselves: nothing tried fits."""
