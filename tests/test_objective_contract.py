@@ -54,9 +54,9 @@ def test_the_docs_table_names_every_registered_class():
 
 
 @pytest.mark.parametrize("group, overrides, reference, old_policy", [
-    ("flow_grpo", [], None, False), ("flow_grpo", ["algorithm.kl_beta=0.1"], BASE, False), ("gardo", ["algorithm.kl_beta=0.1"], OLD, True),
+    ("flow_grpo", ["algorithm.kl_beta=0"], None, False), ("flow_grpo", ["algorithm.kl_beta=0.1"], BASE, False), ("gardo", ["algorithm.kl_beta=0.1"], OLD, True),
     ("gardo", ["algorithm.kl_beta=0"], None, True), ("nft", ["algorithm.kl_beta=0.1"], BASE, True), ("dgpo", [], BASE, False),
-    ("awm", ["algorithm.awm_ema_beta=0.1"], None, True), ("dpo", [], BASE, False),
+    ("awm", ["algorithm.awm_ema_beta=0.1", "algorithm.kl_beta=0"], None, True), ("dpo", [], BASE, False),
 ])
 def test_the_reference_and_the_old_policy_follow_the_config(group, overrides, reference, old_policy):
     algorithm = _algorithm(group, *overrides)

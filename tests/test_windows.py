@@ -181,7 +181,7 @@ def test_every_kind_and_window_trains_from_the_command_line(overrides, tmp_path)
 
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in lines if r["kind"] == "train"]
-    assert len(train) == 2 and all(abs(r["ratio_mean"] - 1.0) < 1e-4 for r in train)  # on-policy: ratio 1 at the first step
+    assert len(train) == 2 and all(abs(r["first_ratio_mean"] - 1.0) < 1e-4 for r in train)  # on-policy: ratio 1 at the first optimizer step
     state = json.loads((out / "checkpoints" / "step_000002" / "state.json").read_text())
     assert state["window"]["count"] == 2
 

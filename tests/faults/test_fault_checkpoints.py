@@ -180,7 +180,7 @@ def _inject_nan_at(monkeypatch, trainer: Trainer, step_index: int) -> None:
 
 def test_nonfinite_loss_is_skipped_and_counted_with_state_unchanged(tmp_path, monkeypatch):
     out = tmp_path / "skip"
-    trainer = Trainer(compose(_overrides(tmp_path, out, 3)))
+    trainer = Trainer(compose(_overrides(tmp_path, out, 3, "algorithm.mini_batch_size=null")))  # one optimizer step per RL step
     _inject_nan_at(monkeypatch, trainer, 1)
     summary = trainer.fit()
     records = _train_records(out)
