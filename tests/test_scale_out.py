@@ -30,7 +30,9 @@ def _overrides(tmp_path, out, *extra):
     return [
         "sampler.num_steps=3", "sampler.eval_num_steps=2", "trainer.steps=2", "trainer.prompts_per_step=2", "trainer.group_size=4",
         "eval.seeds_per_prompt=2", "eval.every=100", "trainer.checkpoint_every=100", "trainer.threads=1",
-        f"trainer.output_dir={out}", "trainer.progress=false", f"trainer.prompts={prompts}", *extra,
+        f"trainer.output_dir={out}", "trainer.progress=false", f"trainer.prompts={prompts}",
+        "algorithm.mini_batch_size=null",  # one optimizer step per RL step (the default recipe takes two since 2026-12-07)
+        *extra,
     ]
 
 
