@@ -51,6 +51,11 @@ def _png_tensor(path: Path) -> torch.Tensor:
     return torch.from_numpy(_pixels(path).copy()).permute(2, 0, 1)
 
 
+def _same_image(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """uint8 images equal to one level per pixel (another batch size's float32 rounding), not a different sample."""
+    return a.shape == b.shape and int((a.int() - b.int()).abs().max()) <= 1
+
+
 def _evals(run: Path) -> tuple[dict, dict]:
     step0, step1 = [r for r in read_jsonl(run / "metrics.jsonl") if r["kind"] == "eval"]
     return step0, step1
@@ -120,13 +125,15 @@ def test_sample_writes_grid_and_json_whose_rewards_match_direct_calls(run, tmp_p
     # a sample depends only on its prompt and seed, not on the batch it is drawn in
     alone = tmp_path / "alone"
     assert main(["sample", "--run", str(run), "--prompts", "a blue two", "--seeds", "11", "--rewards", "none", "--out", str(alone)]) == 0
-    assert torch.equal(_png_tensor(alone / "images" / "0000.png"), images[3])
+    # (to one uint8 level: a batch of one runs other float32 kernel blockings than a batch of six, which can move a pixel
+    # across a rounding boundary: seen under ATEN_CPU_CAPABILITY=default on an AVX2 CPU, 2026-12-07)
+    assert _same_image(_png_tensor(alone / "images" / "0000.png"), images[3])
     # --stochastic: the rollout SDE, reproducible per seed and unlike the ODE sample
     sde = [tmp_path / "sde_a", tmp_path / "sde_b"]
     for folder, extra in zip(sde, (["a red seven", "--seeds", "3"], ["a red seven", "a blue two", "--seeds", "3", "11"])):
         assert main(["sample", "--run", str(run), "--stochastic", "--rewards", "none", "--prompts", *extra, "--out", str(folder)]) == 0
     sde_image = _png_tensor(sde[0] / "images" / "0000.png")
-    assert torch.equal(sde_image, _png_tensor(sde[1] / "images" / "0000.png")) and not torch.equal(sde_image, images[0])
+    assert _same_image(sde_image, _png_tensor(sde[1] / "images" / "0000.png")) and not _same_image(sde_image, images[0])
     assert json.loads((sde[0] / "samples.json").read_text())["sampler"]["num_steps"] == 3
     # the base model draws other images from the same noise
     base = tmp_path / "base"
