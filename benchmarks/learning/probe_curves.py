@@ -1,4 +1,4 @@
-"""Print the fidelity (and gold, realness) curves that ``probe_learning_tests.sh`` wrote: one row per run, one column per
+"""Print the fidelity (and gold, realness) curves that ``probe_runs.sh`` wrote: one row per run, one column per
 evaluation, with each evaluation's gain over step 0 in fidelity points.
 
     python benchmarks/learning/probe_curves.py OUT
