@@ -25,6 +25,30 @@ sys.path.insert(0, str(ROOT / "benchmarks" / "parity"))
 import plan_vs_measured  # noqa: E402  (benchmarks/parity/plan_vs_measured.py: the comparison itself)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_trace_per_tiny_recipe():
+    """A recipe at tiny shape (no ``model.options.shape``: nothing here patches it) is traced once per test process and
+    the copy returned to every later plan of the same resolved config: the default recipe was traced six times here,
+    ~7 s each (a plan's recommendation re-plans the recipe it starts from)."""
+    import copy
+
+    from omegaconf import OmegaConf
+
+    traced, original = {}, planner.trace_recipe
+
+    def trace_recipe(cfg, gpus, **kwargs):
+        if (cfg.model.options or {}).get("shape") not in (None, "tiny"):
+            return original(cfg, gpus, **kwargs)
+        key = (OmegaConf.to_yaml(cfg), gpus, tuple(sorted(kwargs.items())))
+        if key not in traced:
+            traced[key] = original(cfg, gpus, **kwargs)
+        return copy.deepcopy(traced[key])
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(planner, "trace_recipe", trace_recipe)
+        yield
+
+
 class RealBytes(TorchDispatchMode):
     """Live bytes of real CPU tensors (each storage once, freed when Python frees it): the real run's tracker."""
 

@@ -40,7 +40,6 @@ import weakref
 
 import torch
 import torch._subclasses.fake_tensor as fake_tensor
-from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
@@ -68,6 +67,22 @@ _KEEPS_TRUTH = {_aten.all, _aten.logical_and, _aten.bitwise_and, _aten._to_copy,
 
 def _tensors(tree) -> list[torch.Tensor]:
     return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
+
+
+def _op_tensors(values) -> list[torch.Tensor]:
+    """The tensors among an aten op's arguments or outputs: a tensor, or a list/tuple of tensors, ``None`` and scalars
+    (``Tensor[]``, ``Tensor?[]``: aten schemas nest no deeper). :func:`_tensors` without the pytree walk, which cost a
+    tenth of a plan's time at one op in a few hundred microseconds."""
+    if isinstance(values, torch.Tensor):
+        return [values]
+    out = []
+    if isinstance(values, (list, tuple)):
+        for v in values:
+            if isinstance(v, torch.Tensor):
+                out.append(v)
+            elif isinstance(v, (list, tuple)):
+                out.extend(t for t in v if isinstance(t, torch.Tensor))
+    return out
 
 
 def _small(t: torch.Tensor) -> bool:
@@ -125,8 +140,7 @@ class ShapeTrace(TorchDispatchMode):
     # -- dispatch ------------------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        flat, spec = tree_flatten((args, kwargs))
-        tensors = [t for t in flat if isinstance(t, torch.Tensor)]
+        tensors = _op_tensors(args) + (_op_tensors(tuple(kwargs.values())) if kwargs else [])
         fake = [is_fake(t) for t in tensors]
         if func is _aten._local_scalar_dense.default and any(fake):  # a value read from a fake tensor
             t = tensors[0]
@@ -152,6 +166,7 @@ class ShapeTrace(TorchDispatchMode):
                 return self._account(func, args, kwargs, out)
         if any(fake) and not all(fake):  # small real tensors meet fake ones as constants (exact boolean indexing)
             convert = self.fake_mode.fake_tensor_converter.from_real_tensor
+            flat, spec = tree_flatten((args, kwargs))
             flat = [
                 convert(self.fake_mode, x, make_constant=x.numel() <= SMALL and not isinstance(x, torch.nn.Parameter))
                 if isinstance(x, torch.Tensor) and not is_fake(x) else x
@@ -161,11 +176,11 @@ class ShapeTrace(TorchDispatchMode):
         return self._account(func, args, kwargs, func(*args, **kwargs))
 
     def _account(self, func, args, kwargs, out):
-        outputs = _tensors(out)
+        outputs = _op_tensors(out)
         for t in outputs:
             self.track(t)
         packet = func._overloadpacket
-        if packet in _KEEPS_TRUTH and any(t in self._finite for t in _tensors((args, kwargs)) if is_fake(t)):
+        if packet in _KEEPS_TRUTH and any(t in self._finite for t in _op_tensors((*args, *kwargs.values())) if is_fake(t)):
             for t in outputs:
                 self._finite[t] = True
         if packet is _aten._scaled_dot_product_flash_attention_for_cpu:  # the fake CPU kernel of the GPU's fused
@@ -179,19 +194,25 @@ class ShapeTrace(TorchDispatchMode):
         return out
 
 
-class _FiniteChecks(TorchFunctionMode):
-    """Marks the result of ``torch.isfinite`` on a fake tensor (it decomposes into several ops below the
-    dispatcher, so the mark is set here, at the function level) so that reading it gives True."""
+@contextlib.contextmanager
+def _finite_checks(trace: ShapeTrace):
+    """Marks the result of ``torch.isfinite`` / ``Tensor.isfinite`` on a fake tensor (it decomposes into several ops
+    below the dispatcher, so the mark is set at the function level) so that reading it gives True. The two are wrapped
+    for the trace's duration rather than watched by a ``TorchFunctionMode``, which sat in front of every other torch call
+    too (a plan's every op paid for it)."""
+    function, method = torch.isfinite, torch.Tensor.isfinite
 
-    def __init__(self, trace: ShapeTrace):
-        super().__init__()
-        self.trace = trace
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func in (torch.isfinite, torch.Tensor.isfinite) and isinstance(out, torch.Tensor) and is_fake(out):
-            self.trace._finite[out] = True
+    def mark(out):
+        if isinstance(out, torch.Tensor) and is_fake(out):
+            trace._finite[out] = True
         return out
+
+    torch.isfinite = functools.wraps(function)(lambda *args, **kwargs: mark(function(*args, **kwargs)))
+    torch.Tensor.isfinite = functools.wraps(method)(lambda self, *args, **kwargs: mark(method(self, *args, **kwargs)))
+    try:
+        yield
+    finally:
+        torch.isfinite, torch.Tensor.isfinite = function, method
 
 
 @contextlib.contextmanager
@@ -223,7 +244,7 @@ def shape_trace(allocation_unit: int = ALLOCATION_UNIT):
     mode = fake_tensor.FakeTensorMode(allow_non_fake_inputs=True)
     trace = ShapeTrace(mode, allocation_unit)
     try:
-        with _swap_falls_back(), mode, trace, _FiniteChecks(trace):
+        with _swap_falls_back(), mode, trace, _finite_checks(trace):
             yield trace
     finally:
         fake_tensor.CONSTANT_NUMEL_LIMIT = previous
