@@ -38,6 +38,41 @@ def tiny_adapter():
     return DigitsAdapter(path=None, seed=0)
 
 
+RAY_LOCAL = dict(address="local", num_cpus=2, include_dashboard=False, object_store_memory=150 * 1024 * 1024, log_to_driver=False)
+
+
+@pytest.fixture(scope="session")
+def _ray_instance():
+    """Stops the test process's local Ray instance (if one was started) when the session ends."""
+    import ray
+
+    yield ray
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+@pytest.fixture
+def ray_local(_ray_instance):
+    """A local Ray instance of 2 CPUs, started by the first test that asks and kept for the next ones in this process
+    (``ray.init`` and ``ray.shutdown`` cost ~5 s a test: the Ray phase started six). After a test whose actors or
+    placement groups still hold CPUs (one that failed mid-run, or killed ranks), the instance is shut down, so the next
+    test starts on a fresh one."""
+    ray = _ray_instance
+    if not ray.is_initialized():
+        ray.init(**RAY_LOCAL)
+    yield ray
+    if not ray.is_initialized():
+        return
+    import time
+
+    deadline = time.monotonic() + 5.0  # a killed actor's CPUs come back asynchronously
+    while ray.available_resources().get("CPU", 0) < RAY_LOCAL["num_cpus"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    leftover = [pg for pg in ray.util.placement_group_table().values() if pg.get("state") != "REMOVED"]
+    if ray.available_resources().get("CPU", 0) < RAY_LOCAL["num_cpus"] or leftover:
+        ray.shutdown()
+
+
 def randomise_lora(module: torch.nn.Module, scale: float = 0.05, seed: int = 0) -> None:
     """Give every LoRA B matrix non-zero values so the adapter changes the model's output."""
     g = torch.Generator().manual_seed(seed)

@@ -94,20 +94,14 @@ def test_ddpo_per_prompt_tracker_trains_with_a_group_of_one(tmp_path, capsys, mo
     assert len(train) == 1 and train[0]["advantage_abs_mean"] > 0
 
 
-def test_more_ray_ranks_than_the_cluster_holds_is_one_line_exit_2(tmp_path, capsys, monkeypatch):
+def test_more_ray_ranks_than_the_cluster_holds_is_one_line_exit_2(tmp_path, capsys, monkeypatch, ray_local):
     """``distributed.num_workers=64`` on a 2-CPU Ray: the capacity message, one line, status 2, no traceback, no run folder."""
-    import ray
-
     monkeypatch.delenv("DIFFRL_TRACEBACK", raising=False)
     out = tmp_path / "ray"
-    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=150 * 1024 * 1024, log_to_driver=False)
     capsys.readouterr()  # Ray's own start-up lines
-    try:
-        rc = main(["train", *_overrides(tmp_path, out, "distributed.backend=ray", "distributed.num_workers=64", "trainer.group_size=2",
-                                        "algorithm.mini_batch_size=64", prompts_per_step=32)])
-        assert rc == 2
-        line = _one_line_error(capsys)
-        assert "cannot hold distributed.num_workers=64 ranks" in line and "62 more rank(s)" in line and "lower distributed.num_workers" in line, line
-        assert not out.exists()
-    finally:
-        ray.shutdown()
+    rc = main(["train", *_overrides(tmp_path, out, "distributed.backend=ray", "distributed.num_workers=64", "trainer.group_size=2",
+                                    "algorithm.mini_batch_size=64", prompts_per_step=32)])
+    assert rc == 2
+    line = _one_line_error(capsys)
+    assert "cannot hold distributed.num_workers=64 ranks" in line and "62 more rank(s)" in line and "lower distributed.num_workers" in line, line
+    assert not out.exists()

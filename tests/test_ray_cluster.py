@@ -43,6 +43,10 @@ def two_node_cluster(tmp_path, monkeypatch):
     """A Ray head (1 CPU) and a worker node (1 CPU) on loopback addresses; stopped afterwards. Token
     authentication on every node and the driver, with the machine's Ray token (``~/.ray/auth_token``, which any
     local ``ray.init()`` creates too), as a real cluster runs it; this process keeps reading that same token."""
+    import ray
+
+    if ray.is_initialized():  # the process's local instance (tests/conftest.py, ray_local): the run must join this cluster
+        ray.shutdown()
     monkeypatch.setenv("RAY_AUTH_MODE", "token")
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")]))}
     for key in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):

@@ -184,13 +184,10 @@ def synchronous_run(tmp_path_factory):
     return _records(tmp / "run"), weight_sync.state_hash(trainer.workers.trainable_state())
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    import ray
-
-    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=150 * 1024 * 1024, log_to_driver=False)
-    yield
-    ray.shutdown()
+@pytest.fixture
+def ray_cluster(ray_local):
+    """The process's local Ray instance (tests/conftest.py)."""
+    return ray_local
 
 
 def _replica_run(tmp_path, staleness: int, *extra: str) -> list[dict]:

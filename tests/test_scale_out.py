@@ -74,21 +74,17 @@ def test_bad_split_fails_before_any_work_with_valid_sizes(tmp_path):
                                    # gradient accumulation: 4 micro-batches of 2 on one worker, 2 of 2 on each of two ranks
                                    pytest.param(("algorithm.mini_batch_size=8", "algorithm.micro_batch_size=2"), marks=pytest.mark.slow)])
 @pytest.mark.ranks
-def test_ray_two_workers_fsdp2_match_the_local_worker(tmp_path, extra):
+def test_ray_two_workers_fsdp2_match_the_local_worker(tmp_path, extra, ray_local):
     """Sizes are global: the same recipe on 1 or 2 ranks computes the same update (weights and metrics)."""
-    import ray
-
     local = Trainer(compose(_overrides(tmp_path, tmp_path / "local", *extra)))
     local.fit()
     expected = local.workers.trainable_state()
-    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=150 * 1024 * 1024, log_to_driver=False)
+    distributed = Trainer(compose(_overrides(tmp_path, tmp_path / "ray", "distributed.backend=ray", "distributed.num_workers=2", *extra)))
     try:
-        distributed = Trainer(compose(_overrides(tmp_path, tmp_path / "ray", "distributed.backend=ray", "distributed.num_workers=2", *extra)))
         distributed.fit()
         got = distributed.workers.trainable_state()
-        distributed.close()
     finally:
-        ray.shutdown()
+        distributed.close()
     assert got.keys() == expected.keys() and expected
     moved = max(expected[k].abs().max().item() for k in expected if "lora_B" in k)
     assert moved > 1e-4  # the LoRA did train

@@ -212,25 +212,21 @@ def _train_records(run: Path) -> list[dict]:
 
 @pytest.mark.ray
 @pytest.mark.slow  # Ray actors: the slow tier (the gloo parity above is fast)
-def test_ray_sequence_parallel_trains_what_the_local_worker_trains(tmp_path):
+def test_ray_sequence_parallel_trains_what_the_local_worker_trains(tmp_path, ray_local):
     """``distributed.backend=ray distributed.num_workers=2 model.sequence_parallel=2``: one group of two ranks samples,
     scores and trains each video split in two; LoRA weights and per-step metrics equal the local worker's."""
-    import ray
-
     from diffrl.trainer import Trainer
 
     local = Trainer(compose(_overrides(tmp_path, tmp_path / "local")))
     local.fit()
     expected = local.workers.trainable_state()
-    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=150 * 1024 * 1024, log_to_driver=False)
+    split = Trainer(compose(_overrides(tmp_path, tmp_path / "sp", "distributed.backend=ray", "distributed.num_workers=2", "model.sequence_parallel=2")))
     try:
-        split = Trainer(compose(_overrides(tmp_path, tmp_path / "sp", "distributed.backend=ray", "distributed.num_workers=2", "model.sequence_parallel=2")))
         assert (split.workers.world_size, split.workers.dp_size) == (2, 1)
         split.fit()
         got = split.workers.trainable_state()
-        split.close()
     finally:
-        ray.shutdown()
+        split.close()
     assert got.keys() == expected.keys() and expected
     moved = max(expected[k].abs().max().item() for k in expected if "lora_B" in k)
     assert moved > 1e-4  # the LoRA did train

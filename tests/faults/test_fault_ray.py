@@ -30,11 +30,10 @@ def _overrides(tmp_path, out, *extra):
     ]
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=150 * 1024 * 1024, log_to_driver=False)
-    yield
-    ray.shutdown()
+@pytest.fixture
+def cluster(ray_local):
+    """The process's local Ray instance (tests/conftest.py)."""
+    return ray_local
 
 
 def _kill_ranks_before_steps(trainer: Trainer, kills: dict[int, int]) -> list[int]:
