@@ -1,6 +1,7 @@
 """FP8 rollouts (model.rollout_precision=fp8): the rowwise e4m3 product against its formula, the two kernels against
 each other, the layers restored after a rollout, and a run whose rollouts sample in FP8 while evaluations and training
-stay in the model's precision, corrected by truncated importance weights."""
+stay in the model's precision, corrected by truncated importance weights; the FP8 weights persist across rollouts in
+the same buffers (CUDA graphs read them in place), refreshed on every entry."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import json
 import pytest
 import torch
 
-from diffrl.engine.fp8 import E4M3_MAX, effective_weight, fp8_layers, fp8_linear, fp8_linears, quantize, rowwise_scale
+from diffrl.engine.fp8 import (E4M3_MAX, effective_weight, fp8_layers, fp8_linear, fp8_linears, fp8_weight, quantize, release_fp8_buffers,
+                               rowwise_scale)
 from diffrl.recipes import compose
 from diffrl.tools.cli import main
 from diffrl.trainer import Trainer
@@ -64,6 +66,12 @@ def test_fp8_layers_run_in_rollouts_and_are_restored(tiny_adapter):
             same = tiny_adapter.predict(x, sigma, cond, 1.0)
         after = tiny_adapter.predict(x, sigma, cond, 1.0)
     assert torch.equal(same, full) and torch.equal(after, full)  # every layer's own forward is back
+    assert all(fp8_weight(layer) is None for layer in layers)  # compile_mode "default": the FP8 copy freed after the rollout
+    engine.model.compile_mode = "reduce-overhead"  # CUDA graphs: the FP8 copy stays, at fixed addresses
+    with torch.no_grad(), engine.rollout_weights():
+        pass
+    assert all(fp8_weight(layer) is not None for layer in layers)
+    release_fp8_buffers(module)
     err = (low - full).abs().max() / full.abs().max()
     assert 1e-4 < err < 0.2, err  # FP8 changes the prediction, by e4m3's precision
     with pytest.raises(RuntimeError, match="gradient-free"), fp8_linears(module):
@@ -158,3 +166,100 @@ def test_a_lora_layer_runs_as_one_fp8_linear_of_its_folded_weight():
         exact = model(x)
         assert (got - exact).abs().max() < 0.1 * exact.abs().max() and "forward" not in lora.__dict__
 
+
+
+def lora_mlp(seed: int = 0):
+    """A LoRA layer (32 → 48, rank 4, scale 2, non-zero B) and a plain linear (48 → 16): both kinds of FP8 layer."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.GELU(), torch.nn.Linear(48, 16))
+    model = inject_adapter_in_model(LoraConfig(r=4, lora_alpha=8, target_modules=["0"]), model)
+    torch.nn.init.normal_(model[0].lora_B["default"].weight, std=0.5)
+    return model
+
+
+def fp8_formula(model, x):
+    """The FP8 product of each layer computed afresh from its current effective weight (the quantisation of every entry)."""
+    def layer(layer, x):
+        w, b = effective_weight(layer)
+        s = rowwise_scale(w)
+        return fp8_linear(x, quantize(w, s), s, b, "emulate")
+
+    return layer(model[2], torch.nn.functional.gelu(layer(model[0], x)))
+
+
+def test_fp8_weights_persist_in_the_same_buffers_and_are_refreshed_on_each_entry():
+    """Issue 55, ``keep_buffers`` (the engine's setting under ``model.compile_mode=reduce-overhead``): the FP8 weights live
+    in buffers allocated on a layer's first FP8 rollout and quantised in place on every later one (same addresses, same installed forward objects, for CUDA graphs), holding the current weights (LoRA
+    changed by a step between two rollouts), while outside the context each layer runs its own forward, gradients
+    included."""
+    model = lora_mlp()
+    lora, plain = model[0], model[2]
+    x = torch.randn(5, 32)
+    with torch.no_grad():
+        with fp8_linears(model, "emulate", keep_buffers=True):
+            first = model(x)
+            forwards = [lora.__dict__["forward"], plain.__dict__["forward"]]
+            weights = [fp8_weight(lora), fp8_weight(plain)]
+            ptrs = [(w.q.data_ptr(), w.scale.data_ptr()) for w in weights]
+        assert torch.equal(first, fp8_formula(model, x))
+        lora.lora_B["default"].weight.add_(torch.randn(48, 4))  # a training step between two rollouts
+        plain.weight.mul_(-3.0)
+        with fp8_linears(model, "emulate", keep_buffers=True):
+            second = model(x)
+            assert lora.__dict__["forward"] is forwards[0] and plain.__dict__["forward"] is forwards[1]  # the same functions
+            assert fp8_weight(lora) is weights[0] and fp8_weight(plain) is weights[1]
+            assert [(w.q.data_ptr(), w.scale.data_ptr()) for w in weights] == ptrs
+        assert torch.equal(second, fp8_formula(model, x)) and not torch.allclose(second, first)  # refreshed, not stale
+        assert weights[0].q.dtype == torch.float8_e4m3fn and weights[0].scale.shape == (48, 1)
+    # outside: each layer's own (float32) forward, W + scale·B·A by peft's LoRA path, and gradients reach the adapter
+    assert "forward" not in lora.__dict__ and "forward" not in plain.__dict__
+    a, b = lora.lora_A["default"].weight, lora.lora_B["default"].weight
+    h = torch.nn.functional.linear(x, lora.base_layer.weight, lora.base_layer.bias) + 2.0 * x @ a.t() @ b.t()
+    exact = torch.nn.functional.linear(torch.nn.functional.gelu(h), plain.weight, plain.bias)
+    out = model(x)
+    torch.testing.assert_close(out, exact)
+    out.square().sum().backward()
+    assert b.grad is not None and b.grad.abs().sum() > 0
+    # a change of kernel or of a layer's shape gets new buffers; release_fp8_buffers frees them (never inside the context)
+    plain.weight, plain.bias = torch.nn.Parameter(torch.randn(32, 48)), torch.nn.Parameter(torch.zeros(32))
+    with torch.no_grad(), fp8_linears(model, "scaled_mm", keep_buffers=True):
+        assert fp8_weight(lora) is not weights[0] and fp8_weight(lora).kernel == "scaled_mm"
+        assert fp8_weight(plain).q.shape == (32, 48)
+        with pytest.raises(RuntimeError, match="inside fp8_linears"):
+            release_fp8_buffers(model)
+    assert release_fp8_buffers(model) == 48 * 32 + 48 * 4 + 32 * 48 + 32 * 4  # 1 byte a weight, 4 a row's scale
+    assert fp8_weight(lora) is None and fp8_weight(plain) is None and release_fp8_buffers(model) == 0
+    with torch.no_grad(), fp8_linears(model, "emulate", keep_buffers=False):
+        assert fp8_weight(lora) is not None
+    assert fp8_weight(lora) is None  # keep_buffers=False (the default): freed on exit
+
+
+def test_compiled_fp8_rollouts_recompile_nothing_between_rollouts():
+    """Under ``torch.compile`` the FP8 forward and the layer's own one are two cached variants: after the first FP8
+    rollout, an evaluation and a training call, later rollouts (the LoRA weights changed in between) compile nothing,
+    and compute the FP8 product of the current weights."""
+    model = lora_mlp()
+    compiles = []
+
+    def counting_backend(gm, example_inputs):
+        compiles.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=counting_backend, dynamic=False)
+    x = torch.randn(5, 32)
+    try:
+        for step in range(3):
+            with torch.no_grad(), fp8_linears(model, "emulate"):
+                got = compiled(x)
+            assert torch.equal(got, fp8_formula(model, x))
+            with torch.no_grad():
+                compiled(x)  # an evaluation (the model's precision)
+            compiled(x).sum().backward()  # training
+            with torch.no_grad():
+                model[0].lora_B["default"].weight.add_(0.1)
+            assert len(compiles) == 3, (step, len(compiles))
+    finally:
+        torch._dynamo.reset()

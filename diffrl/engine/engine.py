@@ -281,7 +281,8 @@ class DiffusionEngine:
             if self._fused is not None and not self.sharded:
                 stack.enter_context(self._fused.fused())
             if low_precision:
-                stack.enter_context(fp8.fp8_linears(self.module, self.model.rollout_fp8_kernel))
+                # CUDA graphs replay on fixed addresses: only then the FP8 copy stays allocated between rollouts
+                stack.enter_context(fp8.fp8_linears(self.module, self.model.rollout_fp8_kernel, keep_buffers=self.model.compile_mode == "reduce-overhead"))
             yield
 
     @contextlib.contextmanager
