@@ -53,10 +53,11 @@ def _ray_instance():
 
 @pytest.fixture
 def ray_local(_ray_instance):
-    """A local Ray instance of 2 CPUs, started by the first test that asks and kept for the next ones in this process
-    (``ray.init`` and ``ray.shutdown`` cost ~5 s a test: the Ray phase started six). After a test whose actors or
-    placement groups still hold CPUs (one that failed mid-run, or killed ranks), the instance is shut down, so the next
-    test starts on a fresh one."""
+    """A local Ray instance of 2 CPUs, started by the first test that asks and kept while the next test of this process
+    asks too (``ray.init`` and ``ray.shutdown`` cost ~5 s a test: the Ray phase started six); shut down after the last of
+    such a run (:func:`pytest_runtest_teardown`: an idle instance's daemons slowed a one-thread workload beside it by
+    20-70 %, and the fast tier by half when it stayed up). After a test whose actors or placement groups still hold CPUs
+    (one that failed mid-run, or killed ranks), the instance is shut down too, so the next test starts on a fresh one."""
     ray = _ray_instance
     if not ray.is_initialized():
         ray.init(**RAY_LOCAL)
@@ -71,6 +72,16 @@ def ray_local(_ray_instance):
     leftover = [pg for pg in ray.util.placement_group_table().values() if pg.get("state") != "REMOVED"]
     if ray.available_resources().get("CPU", 0) < RAY_LOCAL["num_cpus"] or leftover:
         ray.shutdown()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    """Stop the local Ray instance (:func:`ray_local`) after a test that used it unless the next one here uses it too."""
+    if "ray_local" in getattr(item, "fixturenames", ()) and "ray_local" not in getattr(nextitem, "fixturenames", ()):
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
 
 
 def randomise_lora(module: torch.nn.Module, scale: float = 0.05, seed: int = 0) -> None:
