@@ -201,6 +201,7 @@ def _finite_checks(trace: ShapeTrace):
     for the trace's duration rather than watched by a ``TorchFunctionMode``, which sat in front of every other torch call
     too (a plan's every op paid for it)."""
     function, method = torch.isfinite, torch.Tensor.isfinite
+    own_method = "isfinite" in vars(torch.Tensor)  # else inherited from torch._C.TensorBase: restored by deleting ours
 
     def mark(out):
         if isinstance(out, torch.Tensor) and is_fake(out):
@@ -212,7 +213,11 @@ def _finite_checks(trace: ShapeTrace):
     try:
         yield
     finally:
-        torch.isfinite, torch.Tensor.isfinite = function, method
+        torch.isfinite = function
+        if own_method:
+            torch.Tensor.isfinite = method
+        else:
+            del torch.Tensor.isfinite
 
 
 @contextlib.contextmanager
