@@ -41,24 +41,15 @@ def tiny_adapter():
 RAY_LOCAL = dict(address="local", num_cpus=2, include_dashboard=False, object_store_memory=150 * 1024 * 1024, log_to_driver=False)
 
 
-@pytest.fixture(scope="session")
-def _ray_instance():
-    """Stops the test process's local Ray instance (if one was started) when the session ends."""
-    import ray
-
-    yield ray
-    if ray.is_initialized():
-        ray.shutdown()
-
-
 @pytest.fixture
-def ray_local(_ray_instance):
+def ray_local():
     """A local Ray instance of 2 CPUs, started by the first test that asks and kept while the next test of this process
     asks too (``ray.init`` and ``ray.shutdown`` cost ~5 s a test: the Ray phase started six); shut down after the last of
     such a run (:func:`pytest_runtest_teardown`: an idle instance's daemons slowed a one-thread workload beside it by
     20-70 %, and the fast tier by half when it stayed up). After a test whose actors or placement groups still hold CPUs
     (one that failed mid-run, or killed ranks), the instance is shut down too, so the next test starts on a fresh one."""
-    ray = _ray_instance
+    import ray
+
     if not ray.is_initialized():
         ray.init(**RAY_LOCAL)
     yield ray

@@ -134,7 +134,8 @@ class Fp8Weight:
     forward: Callable[..., torch.Tensor]  # installed as the layer's instance ``forward`` inside the context
 
     def fits(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: str) -> bool:
-        """Whether these buffers can hold ``weight`` for ``kernel`` (same shape, device and bias; else reallocate)."""
+        """Whether these buffers can hold ``weight`` (or its quantised copy) for ``kernel`` (same shape, device and bias;
+        else reallocate)."""
         return self.q.shape == weight.shape and self.q.device == weight.device and self.bias is bias and self.kernel == kernel
 
     @property
@@ -167,9 +168,8 @@ def release_fp8_buffers(module: nn.Module) -> int:
     return freed
 
 
-def _allocate(weight: torch.Tensor, bias: torch.Tensor | None, kernel: str) -> Fp8Weight:
-    q = torch.empty(weight.shape, dtype=FP8, device=weight.device)
-    scale = torch.empty(weight.shape[0], 1, dtype=torch.float32, device=weight.device)
+def _new_state(q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, kernel: str) -> Fp8Weight:
+    """A layer's :class:`Fp8Weight` holding the freshly quantised ``q`` and ``scale`` themselves (no copy)."""
     mark_static = getattr(getattr(torch, "_dynamo", None), "mark_static_address", None)
     if q.is_cuda and mark_static is not None:
         # CUDA graph trees read static inputs in place (as they do parameters) instead of copying them into the graph's
@@ -217,12 +217,16 @@ def fp8_linears(module: nn.Module, kernel: str = "auto", keep_buffers: bool = Fa
             w, b = effective_weight(layer)
             # the FP8 tensor cores take sizes in multiples of 16; another layer gets the same formula emulated
             own = chosen if chosen == "emulate" or (w.shape[1] % 16 == 0 and w.shape[0] % 16 == 0) else "emulate"
-            state = _WEIGHTS.get(layer)
-            if state is None or not state.fits(w, b, own):
-                state = _WEIGHTS[layer] = _allocate(w, b, own)
-            state.scale.copy_(rowwise_scale(w))
-            state.q.copy_(quantize(w, state.scale))
+            scale = rowwise_scale(w)
+            q = quantize(w, scale)
             del w
+            state = _WEIGHTS.get(layer)
+            if state is None or not state.fits(q, b, own):
+                state = _WEIGHTS[layer] = _new_state(q, scale, b, own)  # first entry, or freed on the last exit: no copy
+            else:  # kept buffers: refilled in place (same addresses)
+                state.scale.copy_(scale)
+                state.q.copy_(q)
+            del q, scale
             layer.forward = state.forward  # an instance attribute shadows the class's forward until it is deleted
         yield len(layers)
     finally:
