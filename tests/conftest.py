@@ -89,8 +89,9 @@ def randomise_lora(module: torch.nn.Module, scale: float = 0.05, seed: int = 0) 
 # plan vs the H200 measurements, the notebooks, long runs, Ray parity runs); `pytest tests/test_ray_cluster.py -m multinode -n 0` the two-node Ray
 # cluster, alone (its `ray stop --force` ends every Ray process on the machine). CI runs all three. `recipe` implies `slow`.
 #
-# Numerics: every fast test is also a `numerics` test unless its module says `pytestmark = pytest.mark.exact` (it compares no
-# floats computed along different code paths: messages, files, configs, processes). CI runs the numerics tests again
+# Numerics: every fast test is also a `numerics` test unless its module says `pytestmark = pytest.mark.exact`, or the test
+# itself `@pytest.mark.exact` with its reason (it compares no floats computed along different code paths: messages, files,
+# configs, processes, a run against itself bit for bit, a score computed by no ATen kernel). CI runs the numerics tests again
 # under ATEN_CPU_CAPABILITY=avx2 on an AVX-512 CPU (else default): a tolerance that holds only with one CPU's float32
 # kernels then fails in CI, not on a user's machine. A new test module is a numerics module until it says otherwise.
 # `ranks` tests (gloo or Ray ranks against one process, the costliest fast tests) are left out of that rerun: both

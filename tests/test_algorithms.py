@@ -217,6 +217,7 @@ def _train_records(run):
     return [{k: v for k, v in r.items() if not k.startswith(("time", "perf/")) and "seconds" not in k} for r in records if r["kind"] == "train"]
 
 
+@pytest.mark.exact  # a resumed run against a straight one, bit for bit on the same kernels: not in the numerics rerun (conftest.py)
 def test_nft_resume_restores_the_old_adapter_exactly(tmp_path):
     straight = tmp_path / "straight"
     Trainer(compose(_tiny_overrides(tmp_path, straight, 4, *NFT))).fit()

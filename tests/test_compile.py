@@ -3,6 +3,7 @@ not change, rollout and training run the compiled module, and their log-probs st
 
 from __future__ import annotations
 
+import pytest
 import torch
 from helpers import make_engine
 
@@ -45,6 +46,7 @@ def test_compiled_engine_keeps_keys_and_log_prob_parity(single_thread):
     torch._dynamo.reset()
 
 
+@pytest.mark.exact  # counts calls and compares the graph path with itself bit for bit: not in the numerics rerun (conftest.py)
 def test_reduce_overhead_replays_graphs_only_without_gradients(single_thread):
     """``compile_mode=reduce-overhead``: gradient-free calls (rollout, scoring) go to the CUDA-graph compile, training
     forwards to the default-mode one; each prediction without gradients starts a graph-tree step; the log-prob parity

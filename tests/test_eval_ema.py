@@ -61,6 +61,7 @@ def test_ema_adapter_follows_the_warm_up_schedule_in_closed_form(ema_run):
     assert w[4][b].abs().sum() > 0 and not torch.equal(w[4][b], w[4][b.replace(".ema.", ".default.")])
 
 
+@pytest.mark.exact  # two runs of one code path compared bit for bit: not in the numerics rerun (conftest.py)
 def test_the_ema_leaves_training_untouched(ema_run):
     """Rollouts and updates run on the trained weights: with and without the EMA the training records are equal."""
     tmp, run = ema_run
@@ -76,6 +77,7 @@ def test_the_ema_leaves_training_untouched(ema_run):
     assert all(torch.equal(a[k], b[k]) for k in b) and set(a) - set(b) == {k for k in a if ".ema." in k}
 
 
+@pytest.mark.exact  # a resumed run against a straight one, bit for bit on the same kernels: not in the numerics rerun (conftest.py)
 def test_ema_resumes_exactly(ema_run):
     tmp, straight = ema_run
     resumed = tmp / "resumed"
@@ -142,6 +144,7 @@ def test_export_lora_takes_the_chosen_adapter(ema_run, tmp_path):
     assert torch.equal(exported["default"][key], w[a_ema.replace(".ema.", ".default.")])
 
 
+@pytest.mark.exact  # messages: not in the numerics rerun (conftest.py)
 def test_bad_ema_settings_fail_before_any_work(tmp_path):
     out = tmp_path / "r"
     with pytest.raises(ValueError, match="eval.ema=true keeps an EMA of the LoRA"):

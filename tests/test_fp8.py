@@ -118,6 +118,7 @@ def test_the_scale_benchmark_measures_fp8_rollouts(tmp_path):
     assert low["rollout_images_per_s"] > 0
 
 
+@pytest.mark.exact  # the loop runs and times its reward: no float compared: not in the numerics rerun (conftest.py)
 def test_the_scale_benchmark_runs_a_real_reward_in_the_loop(tmp_path):
     """``--reward ocr`` (issue 38 item 2): the end-to-end loop scores with PP-OCRv4 on the CPU cores instead of the free
     brightness stand-in, and reports the reward's seconds per iteration."""

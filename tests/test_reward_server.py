@@ -285,6 +285,7 @@ def _read_line(stream, deadline_s: float) -> str:
     return out[0] if out else ""
 
 
+@pytest.mark.exact  # a served JPEG reward against the same in-process one, bit for bit; messages: not in the numerics rerun (conftest.py)
 def test_killed_server_retries_then_fails_clearly(tmp_path):
     """``diffrl serve-reward`` in a subprocess; scored once; killed; the client retries twice and raises."""
     token_file = tmp_path / "token"

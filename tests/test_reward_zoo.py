@@ -83,6 +83,7 @@ def ocr():
     return OcrReward(threads=1)
 
 
+@pytest.mark.exact  # onnxruntime and PIL compute it: no ATen kernel to switch: not in the numerics rerun (conftest.py)
 def test_ocr_reads_rendered_text(ocr):
     """Real PP-OCRv4 models: ≥ 0.9 when the rendered text is the prompt's, ≤ 0.3 when it is another."""
     texts = ["HELLO", "diffrl", "RL 2026", "Cat"]
