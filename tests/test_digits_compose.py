@@ -20,6 +20,7 @@ from rewards.digits.compose import (
     TASKS,
     WORDS,
     default_prompts,
+    exact_clauses,
     layout,
     load_digits_12,
     make_prompt,
@@ -193,9 +194,86 @@ def test_probability_rule_is_genevals_rule_in_expectation_and_pays_nothing_for_h
     assert float(probability_clauses(parse("a four left of a one"), torch.ones(4), hedge, colours)) == 0.0
     hedge[3, 4], hedge[3, 0] = 0.0, 1.0  # the second four is a zero now
     assert float(probability_clauses(parse("a four left of a one"), torch.ones(4), hedge, colours)) == 1.0
-    assert sorted(RULES) == ["probability", "soft"]
-    with pytest.raises(ValueError, match="rule 'exact' is unknown; set \\+reward.options.digits_compose.rule"):
-        build_reward("digits_compose", rule="exact")
+    assert sorted(RULES) == ["exact", "probability", "soft"]
+    with pytest.raises(ValueError, match="rule 'exactly' is unknown; set \\+reward.options.digits_compose.rule"):
+        build_reward("digits_compose", rule="exactly")
+
+
+def _brute_force_exact(meta: dict, occ: torch.Tensor, p_digit: torch.Tensor, p_colour: torch.Tensor) -> float:
+    """"Exactly the named objects and nothing else", summed over every joint slot content: each slot empty, a named
+    digit in each colour, or anything else (14⁴ contents)."""
+    clauses = meta["include"]
+    options = ["empty", "other"] + [(k, c) for k in range(len(clauses)) for c in range(len(COLOUR_NAMES))]
+    named = [float(0)] * 4
+    total = 0.0
+    for slot in range(4):
+        named[slot] = sum(float(occ[slot] * p_digit[slot, DIGIT_WORDS.index(c["class"])]) for c in clauses)
+    for state in itertools.product(range(len(options)), repeat=4):
+        prob, objects = 1.0, []
+        for slot, o in enumerate(state):
+            if options[o] == "empty":
+                prob *= 1 - float(occ[slot])
+            elif options[o] == "other":
+                prob *= float(occ[slot]) - named[slot]
+            else:
+                k, colour = options[o]
+                prob *= float(occ[slot] * p_digit[slot, DIGIT_WORDS.index(clauses[k]["class"])] * p_colour[slot, colour])
+                objects.append((slot, k, colour))
+        if "other" in [options[o] for o in state]:
+            continue
+        right = [(slot, k) for slot, k, col in objects if "color" not in clauses[k] or COLOUR_NAMES[col] == clauses[k]["color"]]
+        ok = len(right) == len(objects) and all(sum(kk == k for _, kk in right) == c["count"] for k, c in enumerate(clauses))
+        if ok and meta["tag"] == "position":
+            ok = slot_relation(next(s for s, k in right if k == 1), next(s for s, k in right if k == 0), clauses[1]["position"][0])
+        total += prob * ok
+    return total
+
+
+def test_exact_rule_pays_for_exactly_the_named_objects():
+    """Rule ``exact`` (issue 53): the probability, under the classifier's per-slot reading, that the canvas holds the
+    named digits in the named number, colours and relation and nothing else; equal to the sum over every slot content,
+    and no credit for extra copies, an unnamed digit or a wrong colour, where GenEval's rule gives full credit."""
+    g = torch.Generator().manual_seed(1)
+    for prompt in ["a seven", "a green four", "three sevens", "two ones", "a four left of a one", "a seven below a two",
+                   "a red two and a blue five", "a two and a five"]:
+        occ = torch.rand(4, generator=g)
+        logits = 3 * torch.rand(4, 10, generator=g)
+        logits[:, [DIGIT_WORDS.index(c["class"]) for c in parse(prompt)["include"]]] += 3.0  # readings that often hold the prompt
+        p_digit, p_colour = logits.softmax(-1), (3 * torch.rand(4, 6, generator=g)).softmax(-1)
+        expected = _brute_force_exact(parse(prompt), occ, p_digit, p_colour)
+        assert expected > 1e-4, prompt  # a sum the rule must reproduce, not two zeros
+        assert float(exact_clauses(parse(prompt), occ, p_digit, p_colour)) == pytest.approx(expected, rel=1e-4), prompt
+    sevens, colours = torch.zeros(4, 10), torch.full((4, 6), 1 / 6)
+    sevens[:, 7] = 1.0
+    one, two, four = torch.tensor([1.0, 0, 0, 0]), torch.tensor([1.0, 1, 0, 0]), torch.ones(4)
+    # one sure seven on an empty canvas is "a seven"; two or four of them are not (GenEval's rule pays all three)
+    assert [float(exact_clauses(parse("a seven"), o, sevens, colours)) for o in (one, two, four)] == [1.0, 0.0, 0.0]
+    assert [float(probability_clauses(parse("a seven"), o, sevens, colours)) for o in (one, two, four)] == [1.0, 1.0, 1.0]
+    assert float(exact_clauses(parse("two sevens"), two, sevens, colours)) == 1.0
+    # a slot half seven, half one: "a seven" with probability 1/2
+    hedged = sevens.clone()
+    hedged[0, 7], hedged[0, 1] = 0.5, 0.5
+    assert float(exact_clauses(parse("a seven"), one, hedged, colours)) == pytest.approx(0.5)
+    # a sure green four and a sure red four: neither "a green four" nor "a red four" exactly
+    fours, two_colours = torch.zeros(4, 10), torch.zeros(4, 6)
+    fours[:2, 4] = 1.0
+    two_colours[0, GREEN], two_colours[1, RED] = 1.0, 1.0
+    assert float(exact_clauses(parse("a green four"), two, fours, two_colours)) == 0.0
+    assert float(exact_clauses(parse("a green four"), one, fours, two_colours)) == 1.0
+    # position: the relation decides; a diagonal pair satisfies both relations of its axes, as GenEval reads it
+    pair = torch.zeros(4, 10)
+    pair[0, 4], pair[3, 1] = 1.0, 1.0
+    diagonal = torch.tensor([1.0, 0, 0, 1])
+    assert float(exact_clauses(parse("a four left of a one"), diagonal, pair, colours)) == 1.0
+    assert float(exact_clauses(parse("a four above a one"), diagonal, pair, colours)) == 1.0
+    assert float(exact_clauses(parse("a four right of a one"), diagonal, pair, colours)) == 0.0
+    # real canvases, read by the shipped classifier: one drawn seven pays, a second copy takes the pay away (not under "soft")
+    digits, labels = load_digits_12()
+    seven = digits[(labels == 7).nonzero()[0, 0]]
+    canvases = torch.stack([to_uint8(render(objects, [seven] * len(objects))) for objects in ([(0, 7, GREEN)], [(0, 7, GREEN), (3, 7, RED)])])
+    exact = build_reward("digits_compose", rule="exact")(canvases, ["a seven"] * 2)["digits_compose"]
+    soft = build_reward("digits_compose")(canvases, ["a seven"] * 2)["digits_compose"]
+    assert exact[0] > 0.5 and exact[1] < 0.1 and soft[1] > 0.5, (exact, soft)
 
 # -- assets ---------------------------------------------------------------------------------------------------
 def test_shipped_files_are_small_and_the_judge_is_independent():
@@ -244,7 +322,8 @@ def test_recipe_trains_two_steps_and_evaluates_like_the_base_evaluation(tmp_path
     summary = json.loads((out / "summary.json").read_text())
     adapter = DigitsComposeAdapter(path=str(COMPOSE_ASSET_DIR))
     prompts, seeds = eval_prompts_and_seeds(adapter.default_prompts(), 1, 1234)
-    expected = _evaluate(adapter, prompts, seeds, 2, {n: build_reward(n) for n in ("digits_compose", "digits_compose_gold")})
+    options = {"digits_compose": {"rule": "exact"}}  # the reward group's (configs/reward/digits_compose.yaml)
+    expected = _evaluate(adapter, prompts, seeds, 2, {n: build_reward(n, **options.get(n, {})) for n in ("digits_compose", "digits_compose_gold")})
     assert "eval/digits_compose_gold/counting" in expected
     for key, value in expected.items():
         assert summary["eval_before"][key] == pytest.approx(value, abs=1e-6), key

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Named sets of `diffrl train` runs side by side, each on one CPU thread in its own process, evaluated along the way, so
-# that settings (or a test's step count) are chosen with the curves in view. Two sets:
+# that settings (or a test's step count) are chosen with the curves in view. Three sets:
 #   learning_tests   the slow tier's learning tests, each with its test's recipe, steps and overrides (issue 51)
 #   default_recipe   settings on top of the default recipe *as it was until 2026-12-07* (no KL, lr 1e-3, one optimizer
 #                    step per RL step, 120 steps; issue 53 item 4), STEPS/EVERY override its steps and evaluations
+#   compose          the compose recipes under the exact-count training reward, with and without a KL (issue 53)
 # Usage: [PARALLEL=n] [LIMIT_S=s] [PYTHON=python] bash benchmarks/learning/probe_runs.sh SET OUT [label ...]
 #   (no label: the whole set; PARALLEL default: all at once, meant for the device machine's 16 cores; 2 on 2 cores)
 # Each run writes OUT/<label>/{metrics.jsonl,summary.json,config.yaml} and OUT/<label>.log; then
@@ -43,7 +44,30 @@ case "$set_name" in
       [kl1_lr2_same]="algorithm.kl_beta=0.1 algorithm.lr=2e-3 sampler.same_initial_noise=true"
     )
     common="experiment=digits_flow_grpo algorithm.kl_beta=0 algorithm.lr=1e-3 algorithm.mini_batch_size=null trainer.steps=${STEPS:-120} eval.every=${EVERY:-20}" ;;
-  *) echo "unknown set $set_name (known: learning_tests, default_recipe)"; exit 2 ;;
+  compose)
+    # the compose recipes under the "exact" training reward (the reward group's rule; issue 53 items 1 and 3), with and without a pull to the base,
+    # curves to 100 steps for a ~10-CPU-minute budget (8 prompts x 8 at ~10 s a step on one thread of the work machine)
+    RUNS=(
+      [n_exact_lr15]="experiment=digits_compose_nft algorithm.lr=1.5e-3"
+      [n_exact_lr2]="experiment=digits_compose_nft algorithm.lr=2e-3"
+      [n_exact_kl1_lr2]="experiment=digits_compose_nft algorithm.kl_beta=0.1 algorithm.lr=2e-3"
+      [n_exact_kl1_lr3]="experiment=digits_compose_nft algorithm.kl_beta=0.1 algorithm.lr=3e-3"
+      [n_exact_kl2_lr3]="experiment=digits_compose_nft algorithm.kl_beta=0.2 algorithm.lr=3e-3"
+      [n_exact_kl1_lr2_t2]="experiment=digits_compose_nft algorithm.kl_beta=0.1 algorithm.lr=2e-3 algorithm.nft_num_timesteps=2"
+      [n_exact_kl2_lr3_t2]="experiment=digits_compose_nft algorithm.kl_beta=0.2 algorithm.lr=3e-3 algorithm.nft_num_timesteps=2"
+      [n_exact_kl03_lr2]="experiment=digits_compose_nft algorithm.kl_beta=0.03 algorithm.lr=2e-3"
+      [n_exact_t2_lr2]="experiment=digits_compose_nft algorithm.nft_num_timesteps=2 algorithm.lr=2e-3"
+      [g_exact_kl1_lr5]="experiment=digits_compose_flow_grpo algorithm.kl_beta=0.1 algorithm.lr=5e-3 algorithm.mini_batch_size=\${optimizer_steps:2}"
+      [g_exact_kl03_lr3]="experiment=digits_compose_flow_grpo algorithm.kl_beta=0.03 algorithm.lr=3e-3 algorithm.mini_batch_size=\${optimizer_steps:2}"
+      [d_exact]="experiment=digits_compose_dgpo"
+      [d_exact_kl1_lr2]="experiment=digits_compose_dgpo algorithm.kl_beta=0.1 algorithm.lr=2e-3"
+      [p_exact]="experiment=digits_compose_flow_dppo"
+      [p_exact_kl1_lr2]="experiment=digits_compose_flow_dppo algorithm.kl_beta=0.1 algorithm.lr=2e-3"
+      [f_exact]="experiment=digits_compose_flow_grpo_fast"
+      [f_exact_kl1_lr3]="experiment=digits_compose_flow_grpo_fast algorithm.kl_beta=0.1 algorithm.lr=3e-3"
+    )
+    common="trainer.steps=${STEPS:-100} eval.every=${EVERY:-20}" ;;
+  *) echo "unknown set $set_name (known: learning_tests, default_recipe, compose)"; exit 2 ;;
 esac
 labels=("$@"); [ ${#labels[@]} -eq 0 ] && labels=("${!RUNS[@]}")
 for label in "${labels[@]}"; do

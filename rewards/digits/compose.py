@@ -324,7 +324,41 @@ _POSITION_OK = {rel: _position_ok(rel) for rel in RELATIONS}
 """:func:`_position_ok` of each relation, computed once (the reward reads it for every position prompt)"""
 
 
-RULES = {"soft": soft_clauses, "probability": probability_clauses}
+def _exact_ok(n1: int, n2: int, rel: str | None) -> torch.Tensor:
+    """``[81]`` bool over :data:`_STATES` read as {0: empty, 1: the first clause's object, 2: the second's}: exactly ``n1``
+    and ``n2`` of them, and with ``rel`` the second's object ``rel`` of the first (the target)."""
+    count1, count2 = (_STATES == 1).sum(1), (_STATES == 2).sum(1)
+    ok = (count1 == n1) & (count2 == n2)
+    if rel is not None:
+        ok &= torch.tensor([any(slot_relation(i, j, rel) for i in range(4) for j in range(4) if x[i] == 2 and x[j] == 1) for x in _STATES.tolist()])
+    return ok
+
+
+_EXACT_OK: dict[tuple[int, int, str | None], torch.Tensor] = {}
+""":func:`_exact_ok` of each (count, count, relation) a prompt asks for, computed on first use"""
+
+
+def exact_clauses(meta: dict, occupancy: torch.Tensor, p_digit: torch.Tensor, p_colour: torch.Tensor) -> torch.Tensor:
+    """Rule ``"exact"``: the probability that the canvas holds **exactly** what the prompt names (the named digits in
+    the named number and colours, in the named relation, and nothing else), if each slot independently were empty
+    with probability ``1 − occupancy``, held clause ``k``'s object with ``s_k`` (:func:`slot_scores`), or held
+    anything else (another digit, a wrong colour, a blob) with the rest:
+    ``Σ`` over the 81 assignments of the slots to {empty, clause 1, clause 2} with the asked counts (and relation) of
+    ``Π_slots q(slot, state)``. An extra copy, an unnamed digit or a hedged slot costs its probability: four
+    certain sevens are "a seven" with probability 0, one certain seven in an otherwise empty canvas with 1. GenEval's
+    rule (``≥ count``) holds whenever this one does."""
+    clauses = meta["include"]
+    s = [slot_scores(c, occupancy, p_digit, p_colour) for c in clauses]
+    n1, n2 = clauses[0]["count"], (clauses[1]["count"] if len(clauses) > 1 else 0)
+    rel = clauses[1]["position"][0] if meta["tag"] == "position" else None
+    key = (n1, n2, rel)
+    if key not in _EXACT_OK:
+        _EXACT_OK[key] = _exact_ok(*key)
+    q = torch.stack([(1 - occupancy).clamp(min=0), s[0], s[1] if len(s) > 1 else torch.zeros_like(s[0])], 1)  # [4 slots, 3 states]
+    return q.gather(1, _STATES.T).prod(0)[_EXACT_OK[key]].sum()
+
+
+RULES = {"soft": soft_clauses, "probability": probability_clauses, "exact": exact_clauses}
 
 
 @register_reward("digits_compose")
@@ -335,9 +369,10 @@ class DigitsComposeReward(Reward):
     Args:
         path: folder of the classifier (default: the shipped ``assets/digits/reward_classifier``).
         device: where the classifier runs.
-        rule: ``"soft"`` (:func:`soft_clauses`, mean partial credit per clause; the default) or ``"probability"``
+        rule: ``"soft"`` (:func:`soft_clauses`, mean partial credit per clause; the default), ``"probability"``
             (:func:`probability_clauses`, the chance that the prompt holds under the classifier's reading,
-            whichever object of a class comes first).
+            whichever object of a class comes first) or ``"exact"`` (:func:`exact_clauses`, the chance that the canvas
+            holds exactly the named objects and nothing else: no credit for extra copies).
     """
 
     unit = "probability (or soft fraction) of the prompt holding, in [0, 1]"
