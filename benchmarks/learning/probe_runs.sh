@@ -55,6 +55,8 @@ case "$set_name" in
       [n_exact_kl2_lr3]="experiment=digits_compose_nft algorithm.kl_beta=0.2 algorithm.lr=3e-3"
       [n_exact_kl1_lr2_t2]="experiment=digits_compose_nft algorithm.kl_beta=0.1 algorithm.lr=2e-3 algorithm.nft_num_timesteps=2"
       [n_exact_kl2_lr3_t2]="experiment=digits_compose_nft algorithm.kl_beta=0.2 algorithm.lr=3e-3 algorithm.nft_num_timesteps=2"
+      [n_exact_kl15_lr25]="experiment=digits_compose_nft algorithm.kl_beta=0.15 algorithm.lr=2.5e-3"
+      [n_exact_kl3_lr4]="experiment=digits_compose_nft algorithm.kl_beta=0.3 algorithm.lr=4e-3"
       [n_exact_kl03_lr2]="experiment=digits_compose_nft algorithm.kl_beta=0.03 algorithm.lr=2e-3"
       [n_exact_t2_lr2]="experiment=digits_compose_nft algorithm.nft_num_timesteps=2 algorithm.lr=2e-3"
       [g_exact_kl1_lr5]="experiment=digits_compose_flow_grpo algorithm.kl_beta=0.1 algorithm.lr=5e-3 algorithm.mini_batch_size=\${optimizer_steps:2}"
