@@ -326,12 +326,9 @@ _POSITION_OK = {rel: _position_ok(rel) for rel in RELATIONS}
 
 def _exact_ok(n1: int, n2: int, rel: str | None) -> torch.Tensor:
     """``[81]`` bool over :data:`_STATES` read as {0: empty, 1: the first clause's object, 2: the second's}: exactly ``n1``
-    and ``n2`` of them, and with ``rel`` the second's object ``rel`` of the first (the target)."""
-    count1, count2 = (_STATES == 1).sum(1), (_STATES == 2).sum(1)
-    ok = (count1 == n1) & (count2 == n2)
-    if rel is not None:
-        ok &= torch.tensor([any(slot_relation(i, j, rel) for i in range(4) for j in range(4) if x[i] == 2 and x[j] == 1) for x in _STATES.tolist()])
-    return ok
+    and ``n2`` of them, and with ``rel`` the second's object ``rel`` of the first (the target; :data:`_POSITION_OK`)."""
+    ok = ((_STATES == 1).sum(1) == n1) & ((_STATES == 2).sum(1) == n2)
+    return ok & _POSITION_OK[rel] if rel is not None else ok
 
 
 _EXACT_OK: dict[tuple[int, int, str | None], torch.Tensor] = {}
