@@ -144,16 +144,13 @@ def _brute_force(meta: dict, occ: torch.Tensor, p_digit: torch.Tensor, p_colour:
     """GenEval's rule, read by every object of a class, summed over every joint slot content (13⁴ for two clauses)."""
     clauses = meta["include"]
     options = [None] + [(k, c) for k in range(len(clauses)) for c in range(len(COLOUR_NAMES))]
+    table = [[1 - sum(float(occ[slot] * p_digit[slot, DIGIT_WORDS.index(c["class"])]) for c in clauses)]  # as floats
+             + [float(occ[slot] * p_digit[slot, DIGIT_WORDS.index(clauses[k]["class"])] * p_colour[slot, c]) for k, c in options[1:]]
+             for slot in range(4)]
     total = 0.0
     for state in itertools.product(range(len(options)), repeat=4):
-        prob, objects = 1.0, []
-        for slot, o in enumerate(state):
-            if options[o] is None:
-                prob *= 1 - sum(float(occ[slot] * p_digit[slot, DIGIT_WORDS.index(c["class"])]) for c in clauses)
-            else:
-                k, colour = options[o]
-                prob *= float(occ[slot] * p_digit[slot, DIGIT_WORDS.index(clauses[k]["class"])] * p_colour[slot, colour])
-                objects.append((slot, k, colour))
+        prob = table[0][state[0]] * table[1][state[1]] * table[2][state[2]] * table[3][state[3]]
+        objects = [(slot, *options[o]) for slot, o in enumerate(state) if o >= 1]
         if meta["tag"] == "counting":
             ok = len(objects) == clauses[0]["count"]
         elif meta["tag"] == "position":
@@ -204,22 +201,15 @@ def _brute_force_exact(meta: dict, occ: torch.Tensor, p_digit: torch.Tensor, p_c
     digit in each colour, or anything else (14⁴ contents)."""
     clauses = meta["include"]
     options = ["empty", "other"] + [(k, c) for k in range(len(clauses)) for c in range(len(COLOUR_NAMES))]
-    named = [float(0)] * 4
+    named = [sum(float(occ[slot] * p_digit[slot, DIGIT_WORDS.index(c["class"])]) for c in clauses) for slot in range(4)]
+    table = [[1 - float(occ[slot]), float(occ[slot]) - named[slot]]  # each slot's probability of each option, as floats
+             + [float(occ[slot] * p_digit[slot, DIGIT_WORDS.index(clauses[k]["class"])] * p_colour[slot, c]) for k, c in options[2:]]
+             for slot in range(4)]
     total = 0.0
-    for slot in range(4):
-        named[slot] = sum(float(occ[slot] * p_digit[slot, DIGIT_WORDS.index(c["class"])]) for c in clauses)
     for state in itertools.product(range(len(options)), repeat=4):
-        prob, objects = 1.0, []
-        for slot, o in enumerate(state):
-            if options[o] == "empty":
-                prob *= 1 - float(occ[slot])
-            elif options[o] == "other":
-                prob *= float(occ[slot]) - named[slot]
-            else:
-                k, colour = options[o]
-                prob *= float(occ[slot] * p_digit[slot, DIGIT_WORDS.index(clauses[k]["class"])] * p_colour[slot, colour])
-                objects.append((slot, k, colour))
-        if "other" in [options[o] for o in state]:
+        prob = table[0][state[0]] * table[1][state[1]] * table[2][state[2]] * table[3][state[3]]
+        objects = [(slot, *options[o]) for slot, o in enumerate(state) if o >= 2]
+        if 1 in state:  # an object that is none of the named ones
             continue
         right = [(slot, k) for slot, k, col in objects if "color" not in clauses[k] or COLOUR_NAMES[col] == clauses[k]["color"]]
         ok = len(right) == len(objects) and all(sum(kk == k for _, kk in right) == c["count"] for k, c in enumerate(clauses))

@@ -193,21 +193,22 @@ def test_named_variants_of_a_run_plan_with_their_own_settings():
 def test_recommends_the_cheapest_change_that_fits():
     """A budget below the default recipe's peak: the plan says it does not fit and names a change whose plan fits;
     a budget below the weights themselves: nothing tried fits."""
-    full = planner.plan([], recommend=False)
+    short = ["sampler.num_steps=3", "trainer.prompts_per_step=2", "trainer.group_size=2"]  # the default recipe, smaller: a fifth of the trace
+    full = planner.plan(short, recommend=False)
     budget = full["peak_gib"] * 0.8
-    r = planner.plan([], gpu_memory_gb=budget)
+    r = planner.plan(short, gpu_memory_gb=budget)
     assert not r["fits"] and r["recommendation"] is not None
     assert r["recommendation"]["peak_gib"] <= budget < r["peak_gib"]
     assert "DOES NOT FIT" in planner.report(r)
-    nothing = planner.plan([], gpu_memory_gb=full["resident_gib"]["weights"] / 100)
+    nothing = planner.plan(short, gpu_memory_gb=full["resident_gib"]["weights"] / 100)
     assert nothing["recommendation"] is None and "nothing tried fits" in planner.report(nothing)
 
 
 def test_sharding_divides_state_and_time_scales():
     """FSDP2 over N ranks: per-rank sharded state is 1/N (plus two gathered blocks); the step's FLOPs per rank fall
     with the per-rank batch, so the estimated seconds do too."""
-    one = planner.plan(["trainer.prompts_per_step=4"], recommend=False)
-    two = planner.plan(["trainer.prompts_per_step=4"], gpus=2, recommend=False)
+    one = planner.plan(["trainer.prompts_per_step=4", "trainer.group_size=2", "sampler.num_steps=3"], recommend=False)
+    two = planner.plan(["trainer.prompts_per_step=4", "trainer.group_size=2", "sampler.num_steps=3"], gpus=2, recommend=False)
     assert two["fsdp_sharded"] and not one["fsdp_sharded"]
     assert two["resident_gib"]["weights"] == pytest.approx(one["resident_gib"]["weights"] / 2, rel=1e-6)
     assert two["resident_gib"]["optimizer"] == pytest.approx(one["resident_gib"]["optimizer"] / 2, rel=1e-6)
@@ -218,7 +219,7 @@ def test_sharding_divides_state_and_time_scales():
 
 def test_cli_and_bad_input(capsys, tmp_path):
     out = tmp_path / "plan.json"
-    assert main(["plan", "--gpus", "2", "--gpu", "h200", "--json", str(out)]) == 0
+    assert main(["plan", "trainer.prompts_per_step=2", "trainer.group_size=2", "--gpus", "2", "--gpu", "h200", "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "peak per GPU" in printed and "images/s" in printed
     saved = json.loads(out.read_text())
