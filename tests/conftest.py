@@ -94,6 +94,7 @@ def randomise_lora(module: torch.nn.Module, scale: float = 0.05, seed: int = 0) 
 # configs, processes, a run against itself bit for bit, a score computed by no ATen kernel). CI runs the numerics tests again
 # under ATEN_CPU_CAPABILITY=avx2 on an AVX-512 CPU (else default): a tolerance that holds only with one CPU's float32
 # kernels then fails in CI, not on a user's machine. A new test module is a numerics module until it says otherwise.
+# A slow test that reproduces published numbers says `@pytest.mark.numerics` itself and is rerun too.
 # `ranks` tests (gloo or Ray ranks against one process, the costliest fast tests) are left out of that rerun: both
 # sides run the same CPU's kernels, and their tolerances bound the ranks' reduction order, not a kernel's.
 

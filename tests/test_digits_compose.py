@@ -282,6 +282,10 @@ def _evaluate(adapter, prompts, seeds, num_steps, metrics):
     return evaluate(adapter, prompts, seeds=seeds, num_steps=num_steps, guidance_scale=1.0, metrics=metrics, height=32, width=32)[0]
 
 
+# the shipped asset's published base numbers over the recipes' whole evaluation (a published-numbers check, like the
+# default recipe's): the slow tier, and still rerun under other kernels (explicitly `numerics`)
+@pytest.mark.slow
+@pytest.mark.numerics
 def test_base_numbers_reproduce_and_are_weak_on_the_hard_types():
     adapter = DigitsComposeAdapter(path=str(COMPOSE_ASSET_DIR))
     prompts, seeds = eval_prompts_and_seeds(adapter.default_prompts(), 4, 1234)  # the trainer's evaluation

@@ -148,6 +148,10 @@ def test_shipped_files_are_small_and_the_judge_shares_nothing_with_the_reward():
     assert not set(split["judge"].tolist()) & set(split["reward"].tolist())
 
 
+# the shipped asset's published base numbers over the recipes' whole evaluation (a published-numbers check, like the
+# default recipe's): the slow tier, and still rerun under other kernels (explicitly `numerics`)
+@pytest.mark.slow
+@pytest.mark.numerics
 def test_base_numbers_reproduce_draw_the_prompt_and_leave_room_on_motion():
     adapter = DigitsVideoAdapter(path=str(VIDEO_ASSET_DIR))
     meta = json.loads((VIDEO_ASSET_DIR / "metadata.json").read_text())
