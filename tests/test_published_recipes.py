@@ -60,7 +60,7 @@ def test_published_recipe_headers_state_values_against_sources():
 @pytest.mark.parametrize("name", list(PUBLISHED))
 def test_published_recipe_runs_two_steps_shrunk_to_tiny(name, tmp_path, single_thread):
     out = tmp_path / "run"
-    extra = {"wan21_1_3b_ocr_flow_grpo": ["model.options.num_frames=1"]}.get(name, [])  # one frame: the OCR reward reads each frame upscaled (0.2 s each); frames are the family's
+    extra = {"wan21_1_3b_ocr_flow_grpo": ["model.options.num_frames=5"]}.get(name, [])  # configs/shrink/tiny.yaml: frames are the family's
     assert main(["train", f"experiment={name}", "+shrink=tiny", f"trainer.output_dir={out}", "trainer.progress=false", *extra]) == 0
     config = (out / "config.yaml").read_text()
     cls, family, _, steps = PUBLISHED[name]

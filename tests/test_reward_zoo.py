@@ -98,6 +98,12 @@ def test_ocr_reads_rendered_text(ocr):
     assert ocr(blank, ['"HELLO"'])["ocr"].item() == 0.0  # nothing to read: score 0
     with pytest.raises(ValueError, match="a photo of a cat"):
         ocr(images[:1], ["a photo of a cat"])
+    # the detector reads at the image's own size (PaddleOCR's default); RapidOCR's upscaling reads the same text
+    assert ocr.engine.text_det.limit_type == "max"
+    upscaled = build_reward("ocr", det_limit_type="min")
+    assert upscaled.engine.text_det.limit_type == "min" and (upscaled(images, [f'"{t}"' for t in texts])["ocr"] >= 0.9).all()
+    with pytest.raises(ValueError, match="det_limit_type must be 'max' or 'min', got 'mid'"):
+        build_reward("ocr", det_limit_type="mid")
 
 
 # -- preprocessing ---------------------------------------------------------------------------------
