@@ -12,13 +12,19 @@ from diffrl.engine.engine import GradModeDispatch
 from diffrl.sampling.rollout import sample_trajectories
 from diffrl.sampling.seeding import Stream, derive
 from pipelines.digits import DigitsAdapter
+from pipelines.digits.adapter import TRANSFORMER_CONFIG
 from tests.conftest import randomise_lora
 
 
-def _engine(compile_on: bool):
-    from pipelines.digits import DigitsAdapter
+class TwoBlockDigits(DigitsAdapter):
+    """The digits miniature with 2 of its 4 joint blocks (a middle one and the last, context-only one): what is compiled
+    is the same code, and dynamo and AOT autograd trace half as much."""
 
-    adapter = DigitsAdapter(path=None, seed=0)
+    transformer_config = {**TRANSFORMER_CONFIG, "num_layers": 2}
+
+
+def _engine(compile_on: bool):
+    adapter = TwoBlockDigits(path=None, seed=0)
     settings = SamplerConfig(num_steps=3, kind="flow_sde", noise_level=0.7, guidance_scale=3.0)
     # aot_eager traces and runs the same graphs as inductor without generating C++ (fast on CPU)
     engine = make_engine(adapter, settings, lora_rank=4, compile=compile_on, compile_backend="aot_eager")
@@ -52,7 +58,7 @@ def test_reduce_overhead_replays_graphs_only_without_gradients(single_thread):
     forwards to the default-mode one; each prediction without gradients starts a graph-tree step; the log-prob parity
     and the training step are those of the default mode."""
     torch._dynamo.reset()
-    adapter = DigitsAdapter(path=None, seed=0)
+    adapter = TwoBlockDigits(path=None, seed=0)
     settings = SamplerConfig(num_steps=3, kind="flow_sde", noise_level=0.7, guidance_scale=3.0)
     engine = make_engine(adapter, settings, lora_rank=4, compile=True, compile_backend="aot_eager", compile_mode="reduce-overhead")
     engine.initialize()
