@@ -11,8 +11,10 @@ that names the group it belongs to. :func:`to_config` turns the result into the 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
+import functools
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -123,6 +125,12 @@ def schema(trainer: str = "policy_gradient") -> DictConfig:
     OmegaConf.set_struct(root.reward.options, False)  # per-reward option dicts: +reward.options.<name>.<key>=
     OmegaConf.set_struct(root.model.options, False)  # adapter keyword arguments: +model.options.<key>=
     return root
+
+
+@functools.lru_cache(maxsize=None)
+def _merge_schema(trainer: str) -> DictConfig:
+    """:func:`schema` built once per algorithm class, for ``OmegaConf.merge``'s first argument (which it copies)."""
+    return schema(trainer)
 
 
 def run_schema(node: Any) -> DictConfig:
@@ -288,33 +296,59 @@ def _name_from_group(cfg: DictConfig, group: str) -> None:
     cfg.algorithm.name = group
 
 
+# Hydra's composition of (config name, overrides), unresolved, while the config files are unchanged: Hydra reads and
+# parses every YAML file of the defaults tree again at each composition (~0.15 s, most of a `compose`), and a process
+# that composes often (the test suite: ~30 % of its CLI tests' time) gets a copy instead. Interpolations stay
+# unresolved here, so what they read (assets, the user's files) is read at each composition as before.
+_HYDRA_CACHE: dict[tuple, DictConfig] = {}
+_HYDRA_CACHE_SIZE = 256
+
+
+def _config_files_stamp() -> tuple:
+    """Every config file's path, size and modification time: a change to any of them composes afresh."""
+    return tuple(sorted((str(p), st.st_size, st.st_mtime_ns) for p in CONFIG_DIR.rglob("*.yaml") for st in [p.stat()]))
+
+
+def _hydra_compose(config_name: str, overrides: list[str]) -> tuple[DictConfig, str | None]:
+    """Hydra's composition without its ``hydra`` node (a copy), and the algorithm group chosen."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    key = (config_name, tuple(overrides), _config_files_stamp())
+    cached = _HYDRA_CACHE.get(key)
+    if cached is None:
+        GlobalHydra.instance().clear()
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+            cfg = hydra_compose(config_name=config_name, overrides=list(overrides), return_hydra_config=True)
+        group = cfg.hydra.runtime.choices.get("algorithm")
+        with open_dict(cfg):
+            del cfg["hydra"]
+        if len(_HYDRA_CACHE) >= _HYDRA_CACHE_SIZE:
+            _HYDRA_CACHE.pop(next(iter(_HYDRA_CACHE)))
+        cached = _HYDRA_CACHE[key] = (cfg, None if group is None else str(group))
+    return copy.deepcopy(cached[0]), cached[1]
+
+
 def compose(overrides: list[str] | None = None, config_name: str = "config") -> DictConfig:
     """Compose ``configs/<config_name>.yaml`` with command-line ``overrides`` (hydra syntax).
 
     Raises:
         ConfigError: naming the offending key or group option, with the valid choices where known.
     """
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
     _register()
-    GlobalHydra.instance().clear()
     try:
-        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-            cfg = hydra_compose(config_name=config_name, overrides=list(overrides or []), return_hydra_config=True)
-        group = cfg.hydra.runtime.choices.get("algorithm")
-        with open_dict(cfg):
-            del cfg["hydra"]
+        cfg, group = _hydra_compose(config_name, list(overrides or []))
         try:
             name = group_class(cfg.algorithm, _groups())
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         if group is not None:
             _name_from_group(cfg, str(group))
-        cfg_typed = OmegaConf.merge(schema(name), OmegaConf.to_container(cfg, resolve=False))
+        cfg_typed = OmegaConf.merge(_merge_schema(name), OmegaConf.to_container(cfg, resolve=False))
         OmegaConf.resolve(cfg_typed)
     except (HydraException, OmegaConfBaseException) as exc:
         raise ConfigError(_explain(exc, overrides)) from None

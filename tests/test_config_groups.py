@@ -114,3 +114,32 @@ def test_function_defaults_agree_with_the_config():
             if p.name in config_defaults and p.default is not inspect.Parameter.empty and p.default != config_defaults[p.name]:
                 disagree.append((loss_name, p.name, p.default, config_defaults[p.name]))
     assert not disagree, disagree
+
+
+def test_composition_is_cached_until_a_config_file_changes(tmp_path, monkeypatch):
+    """``compose`` keeps Hydra's composition of the same overrides while no config file changes: equal results, each
+    caller's copy its own (a change to one is not in the next), interpolations resolved afresh, and a changed or added
+    file composes again."""
+    import shutil
+
+    import diffrl.recipes as recipes
+
+    root = tmp_path / "configs"
+    shutil.copytree(CONFIG_DIR, root)
+    monkeypatch.setattr(recipes, "CONFIG_DIR", root)
+    overrides = ["experiment=digits_nft", "trainer.steps=3"]
+    first = compose(overrides)
+    assert [k[1] for k in recipes._HYDRA_CACHE if k[0] == "config" and k[1] == tuple(overrides)] == [tuple(overrides)]
+    first.trainer.steps = 99
+    second = compose(overrides)
+    assert second.trainer.steps == 3 and OmegaConf.to_container(second) == OmegaConf.to_container(compose(overrides))
+    assert second.algorithm.name == "nft" and OmegaConf.get_type(second.algorithm).__name__ == type(to_config(second).algorithm).__name__
+    # a recipe edited on disk is read again
+    recipe = root / "experiment" / "digits_nft.yaml"
+    recipe.write_text(recipe.read_text().replace("experiment: digits_nft", "experiment: digits_nft_edited"))
+    assert compose(overrides).experiment == "digits_nft_edited"
+    # interpolations resolve at each composition (what they read, e.g. the user's files, is read again)
+    calls = []
+    OmegaConf.register_new_resolver("composition_count", lambda: calls.append(1) or str(len(calls)), replace=True)
+    (root / "experiment" / "counted.yaml").write_text("# @package _global_\nexperiment: run${composition_count:}\n")
+    assert [compose(["experiment=counted"]).experiment for _ in range(2)] == ["run1", "run2"]
