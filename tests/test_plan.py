@@ -217,19 +217,21 @@ def test_sharding_divides_state_and_time_scales():
     assert two["images_per_step"] == one["images_per_step"]
 
 
-def test_cli_and_bad_input(capsys, tmp_path):
+def test_cli_and_bad_input(capsys, tmp_path, monkeypatch):
     out = tmp_path / "plan.json"
     assert main(["plan", "trainer.prompts_per_step=2", "trainer.group_size=2", "--gpus", "2", "--gpu", "h200", "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "peak per GPU" in printed and "images/s" in printed
     saved = json.loads(out.read_text())
     assert saved["gpus"] == 2 and saved["gpu"] == "h200" and saved["fits"]
+    monkeypatch.setattr(planner, "trace_recipe", lambda *a, **k: pytest.fail("bad input traced the recipe before its error"))
     for argv, words in [
         (["plan", "--gpu", "v100"], "unknown GPU 'v100'"),
         (["plan", "--gpus", "5"], "cannot be split evenly over distributed.num_workers=5"),
         (["plan", "model=sd3_tiny", "+model.options.shape=flux_dev"], "has no shape 'flux_dev'"),
         (["plan", "model=sd3_tiny", "model.path=someone/not-a-published-model"], "is not a published shape of family 'sd3'"),
         (["plan", "--mfu", "1.5"], "--mfu must be in (0, 1]"),
+        (["plan", "--peak-tflops", "0"], "--peak-tflops must be > 0"),
         (["plan", "experiment=wan_tiny_flow_grpo", "model.sequence_parallel=2", "--gpus", "3"], "--gpus must be a multiple of 2, got 3"),
         (["plan", "model.sequence_parallel=2", "--gpus", "2"], "model family 'digits' is not a video family"),
         (["plan", "experiment=wan_tiny_flow_grpo", "model.sequence_parallel=2", "model.fsdp=false", "--gpus", "2"], "add model.fsdp=true"),

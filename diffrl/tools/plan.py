@@ -587,7 +587,11 @@ def plan(overrides: list[str], *, gpus: int = 1, gpu: str = "h100", gpu_memory_g
          peak_tflops: float | None = None, recommend: bool = True) -> dict:
     """Plan the recipe of ``overrides`` on ``gpus`` GPUs of kind ``gpu`` (see the module docstring)."""
     name, budget_gb, peak = gpu_spec(gpu, gpu_memory_gb)
+    if mfu is not None and not 0 < mfu <= 1:  # before the trace (seconds to minutes), as every bad input
+        raise PlanError(f"--mfu must be in (0, 1], got {mfu}")
     if peak_tflops is not None:
+        if not float(peak_tflops) > 0:
+            raise PlanError(f"--peak-tflops must be > 0, got {peak_tflops}")
         peak = float(peak_tflops) * 1e12
     cfg, shape = plan_config(overrides, gpus)
     tr = trace_recipe(cfg, gpus)
