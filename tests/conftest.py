@@ -104,8 +104,8 @@ def randomise_lora(module: torch.nn.Module, scale: float = 0.05, seed: int = 0) 
 # after another on one process (two of them at once, four ranks and two drivers on 2 cores, ran 2-3x slower than alone),
 # the two-node test last (its `ray stop --force` ends every Ray process); CI runs them as a phase of their own with -n 0
 # instead (beside a learning run, Ray's ranks and daemons slowed both 1.5-3x);
-# xdist hands out the largest group first, and the learning runs (`recipe`), then the other slow tests, come before the
-# short ones, so that no process is left with a 2-minute run at the end while the other idles.
+# xdist hands out the largest group first, and the slow tests, longest first by their `seconds=` (learning runs or not),
+# come before the short ones, so that no process is left with a 2-minute run at the end while the other idles.
 
 
 def _xdist_group(config, item, name: str) -> None:
@@ -129,9 +129,13 @@ def pytest_collection_modifyitems(config, items):
         if item.get_closest_marker("ray") is not None or item.get_closest_marker("multinode") is not None:
             _xdist_group(config, item, "ray")
 
-    def order(item) -> int:
+    def order(item) -> tuple[int, float]:
         if item.get_closest_marker("multinode") is not None:
-            return 3  # last: its `ray stop --force` ends every Ray process, after the group's other tests
-        return 0 if item.get_closest_marker("recipe") is not None else 1 if item.get_closest_marker("slow") is not None else 2
+            return 3, 0.0  # last: its `ray stop --force` ends every Ray process, after the group's other tests
+        tier = item.get_closest_marker("recipe") or item.get_closest_marker("slow")
+        # the slow tier before the fast one and longest first, learning run or not (`seconds=`, its time in CI): worksteal
+        # hands each process one half of the list and the idle one takes the other's last tests, so the two end within
+        # about the shortest test of each other; ordered by kind (learning runs, then the rest) they had ended ~100 s apart
+        return (2, 0.0) if tier is None else (0, -float(tier.kwargs.get("seconds", 0)))
 
     items.sort(key=order)  # stable: a module's tests keep their order

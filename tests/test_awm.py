@@ -178,7 +178,7 @@ def test_bad_awm_values_stop_before_any_work(tmp_path, capsys):
     assert not (tmp_path / "r").exists()
 
 
-@pytest.mark.recipe
+@pytest.mark.recipe(seconds=115)
 def test_digits_awm_raises_fidelity_in_a_short_run(tmp_path):
     """60 steps of the recipe (of its 150): the fidelity headline on the 60 prompts × 2 held-out seeds rises by ≥ 5 points
     (60 × 1 seed, 2026-12-06: +13.3 fidelity, +25 gold; the whole recipe: +55.8 gold and +47.1 fidelity points, RESULTS.md)."""
@@ -188,7 +188,7 @@ def test_digits_awm_raises_fidelity_in_a_short_run(tmp_path):
     assert summary["reward_after"] > summary["reward_before"]
 
 
-@pytest.mark.recipe
+@pytest.mark.recipe(seconds=64)
 def test_a_run_that_hacks_the_reward_fails_the_learning_test(tmp_path):
     """Without the KL to the reference at lr 1e-3 (the recipe until 2026-12-05) the run hacks the reward: raw gold rises as
     much as the shipped recipe's (60 × 1 seed, 2026-12-06: +25 points in 60 steps, which the old gold-only test passed)

@@ -23,7 +23,7 @@ from rewards.base import Reward, RewardError, register_reward, score
 
 pytestmark = pytest.mark.exact  # messages, files and configs: no floats from different code paths (conftest.py)
 
-SHORT = ["trainer.steps=2", "trainer.prompts_per_step=2", "trainer.group_size=4", "eval.seeds_per_prompt=1",
+SHORT = ["trainer.steps=2", "trainer.prompts_per_step=2", "trainer.group_size=4", "eval.seeds_per_prompt=1", "eval.num_prompts=8",
          "trainer.progress=false", "algorithm.mini_batch_size=null", "sampler.num_steps=4", "sampler.eval_num_steps=4"]
 
 

@@ -100,7 +100,7 @@ def test_registered_with_its_own_keys_and_one_line_errors(tmp_path, capsys):
     assert "group_size" in capsys.readouterr().err
 
 
-@pytest.mark.recipe
+@pytest.mark.recipe(seconds=44)
 def test_digits_dgpo_raises_fidelity_in_a_short_run(tmp_path):
     """25 steps of the recipe (of its 150): the fidelity headline on the 60 prompts × 2 held-out seeds rises (60 × 1 seed,
     2026-12-06: +8.3 points, gold +16.7)."""

@@ -284,7 +284,7 @@ def _evaluate(adapter, prompts, seeds, num_steps, metrics):
 
 # the shipped asset's published base numbers over the recipes' whole evaluation (a published-numbers check, like the
 # default recipe's): the slow tier, and still rerun under other kernels (explicitly `numerics`)
-@pytest.mark.slow
+@pytest.mark.slow(seconds=10)
 @pytest.mark.numerics
 def test_base_numbers_reproduce_and_are_weak_on_the_hard_types():
     adapter = DigitsComposeAdapter(path=str(COMPOSE_ASSET_DIR))
@@ -323,7 +323,7 @@ def test_recipe_trains_two_steps_and_evaluates_like_the_base_evaluation(tmp_path
         assert summary["eval_before"][key] == pytest.approx(value, abs=1e-6), key
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=21)
 def test_pretraining_weights_do_not_depend_on_how_often_it_evaluates(tmp_path):
     """The shipped base was made with --eval-every 500; the defaults evaluate less often and must give the same weights."""
     import hashlib

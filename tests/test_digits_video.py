@@ -150,7 +150,7 @@ def test_shipped_files_are_small_and_the_judge_shares_nothing_with_the_reward():
 
 # the shipped asset's published base numbers over the recipes' whole evaluation (a published-numbers check, like the
 # default recipe's): the slow tier, and still rerun under other kernels (explicitly `numerics`)
-@pytest.mark.slow
+@pytest.mark.slow(seconds=20)
 @pytest.mark.numerics
 def test_base_numbers_reproduce_draw_the_prompt_and_leave_room_on_motion():
     adapter = DigitsVideoAdapter(path=str(VIDEO_ASSET_DIR))
@@ -203,7 +203,7 @@ def test_clean_clip_prediction_returns_the_velocity_of_its_clean_clip(tmp_path):
 SHORT_RUN_PROMPTS = ["a magenta two moving left", "a blue nine moving left", "a green four moving up", "a yellow six moving right"]
 
 
-@pytest.mark.recipe
+@pytest.mark.recipe(seconds=63)
 def test_a_short_nft_run_raises_video_fidelity_on_held_out_seeds(tmp_path):
     """DiffusionNFT from its recipe (+41.5 gold points in 120 steps: benchmarks/RESULTS.md), shrunk to four prompts
     rarely drawn right by the base and 40 steps: on the run's own held-out evaluation seeds (4 prompts × 8) the fidelity

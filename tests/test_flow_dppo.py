@@ -119,7 +119,7 @@ def test_registered_with_its_own_keys_and_one_line_errors(tmp_path, capsys):
     assert len(err) == 1 and "rollout_precision" in err[0] and "flow_dppo" in err[0]
 
 
-@pytest.mark.recipe
+@pytest.mark.recipe(seconds=62)
 def test_digits_flow_dppo_raises_fidelity_in_a_short_run(tmp_path):
     """20 steps of the recipe (of its 100): the fidelity headline on the 60 prompts × 2 held-out seeds rises (60 × 1
     seed, 2026-12-06: +8.3 points, gold +15), and the mask acted (some sample-steps of the later optimizer steps were

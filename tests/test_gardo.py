@@ -152,7 +152,7 @@ def test_registered_with_its_own_keys_and_one_line_errors(tmp_path, capsys):
         assert len(err) == 1 and key in err[0], err
 
 
-@pytest.mark.recipe
+@pytest.mark.recipe(seconds=145)
 def test_digits_gardo_raises_fidelity_in_a_short_run(tmp_path):
     out = tmp_path / "gardo"
     summary = short_recipe_run(out, "digits_gardo", 40)

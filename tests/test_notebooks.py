@@ -38,7 +38,7 @@ def test_kernel_is_this_interpreter(kernel_spec_manager):
     assert list(kernel_spec_manager.find_kernel_specs()) == ["python3"]
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=30)
 @pytest.mark.parametrize("name", NOTEBOOKS)
 def test_notebook_executes(name, kernel_spec_manager):
     from jupyter_client.manager import KernelManager

@@ -130,7 +130,7 @@ def test_registered_with_its_own_keys_and_one_line_errors(tmp_path, capsys):
         assert len(err) == 1 and key in err[0], (override, err)
 
 
-@pytest.mark.recipe
+@pytest.mark.recipe(seconds=141)
 def test_digits_opd_moves_fidelity_toward_the_teacher(tmp_path):
     """40 steps of the recipe (of its 120): the student's fidelity rises toward the teacher's (teacher 0.725, base 0.221,
     assets/digits_teacher/metadata.json; 60 prompts × 2 seeds, 2026-12-06: 0.221 -> 0.313, +9.2 points in 101 s; the whole

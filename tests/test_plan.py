@@ -163,7 +163,7 @@ def test_trace_flops_closed_forms():
     assert trace.phases["linear"]["after_bytes"] == block(M * K * 4) + block(N * K * 4) + block(M * N * 4)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=69)
 def test_plan_against_the_h200_measurements(tmp_path):
     """One landed H200 run with a training measurement per model (``benchmarks/parity/plan_vs_measured.py`` compares them
     all): the plan of the same configuration within ±15 % of the measured peak, and its step time at the run's
@@ -375,7 +375,7 @@ _NARROW = {
 }
 
 
-@pytest.mark.slow  # 57 s in CI on 2 processes: the slow tier (the full trace of two narrowed published shapes)
+@pytest.mark.slow(seconds=37)  # 57 s in CI on 2 processes: the slow tier (the full trace of two narrowed published shapes)
 @pytest.mark.parametrize("name", sorted(_NARROW))
 def test_per_block_trace_equals_the_full_trace(name, monkeypatch):
     """Two blocks of each kind traced, then one more of each kind, extrapolated to the shape's depth: every phase's peak

@@ -118,7 +118,7 @@ def _cli(tmp_path, out, steps, *extra):
     ]
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=36)
 def test_sigkill_at_a_random_point_then_resume_is_bit_identical(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     steps = 8

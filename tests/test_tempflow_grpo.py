@@ -201,7 +201,7 @@ def test_registered_with_its_own_keys_and_one_line_errors(tmp_path, capsys):
         assert len(err) == 1 and key in err[0], err
 
 
-@pytest.mark.recipe
+@pytest.mark.recipe(seconds=53)
 def test_digits_tempflow_grpo_raises_fidelity_in_a_short_run(tmp_path):
     """The first 40 steps of the recipe (of its 100): the fidelity headline on the 60 prompts × 2 held-out seeds rises
     (2026-12-06, work machine: 0.233 → 0.333, +10.0 points, gold +16.7, in 29 s)."""
