@@ -16,7 +16,7 @@ from tensordict import NonTensorStack, TensorDict
 
 from diffrl.prompt_sets import is_prompt_set, load_prompt_set, prompt_set_names
 from diffrl.sampling.seeding import Stream, generator
-from pipelines.base import EditPrompt, family_class, resize_sources, split_prompts
+from pipelines.base import EditPrompt, resize_sources, split_prompts
 
 EDIT_RECORD_KEYS = ("source", "instruction")
 SOURCE_KEYS = ("source", "file_name", "image")  # an editing record's source image (diffrl, Hugging Face image folder, flow_grpo)
@@ -229,11 +229,10 @@ def read_edit_records(path: str | Path) -> list[EditPrompt]:
     return records
 
 
-def check_edit_prompts(prompts: list, family: str, sampler) -> list:
-    """The run's prompts checked against the model family before anything is built: an editing family takes
-    :class:`~pipelines.base.EditPrompt` records (sources resized to the sampler's size), any other family
-    text prompts; a mismatch is a one-line error naming the fix."""
-    editing = bool(getattr(family_class(family), "editing", False))
+def check_edit_prompts(prompts: list, family: str, sampler, *, editing: bool) -> list:
+    """The run's prompts checked against the model family before anything is built: an editing family (``editing``: its
+    adapter class's ``editing``) takes :class:`~pipelines.base.EditPrompt` records (sources resized to the sampler's
+    size), any other family text prompts; a mismatch is a one-line error naming the fix."""
     records = bool(prompts) and isinstance(prompts[0], EditPrompt)
     if editing and not records:
         raise ValueError(f"model family {family!r} edits images: trainer.prompts must be a JSONL file or folder of {{source, instruction}} records, not text prompts")
@@ -244,25 +243,26 @@ def check_edit_prompts(prompts: list, family: str, sampler) -> list:
     return resized
 
 
-def family_prompts(train, evaluation, family: str, sampler, *, offline_pairs: bool = False) -> tuple[list | None, list | None, dict[str, dict]]:
+def family_prompts(train, evaluation, family: str, sampler, *, editing: bool, offline_pairs: bool = False) -> tuple[list | None, list | None, dict[str, dict]]:
     """The run's data as the trainer takes it, read and checked against the model family in one pass: the training and
     evaluation prompts with their metadata (:func:`load_run_prompts`), each checked and resized (:func:`check_edit_prompts`;
     ``None`` where the family's built-in prompts apply, :func:`family_default_prompts`); offline preference pairs
-    (``offline_pairs``: ``algorithm.preference_pairs``) need a text-to-image family (they hold no source images)."""
+    (``offline_pairs``: ``algorithm.preference_pairs``) need a text-to-image family (they hold no source images;
+    ``editing``: the family's adapter class's ``editing``)."""
     prompts, eval_prompts, table = load_run_prompts(train, evaluation)
     if prompts is not None:
-        prompts, eval_prompts = (check_edit_prompts(p, family, sampler) for p in (prompts, eval_prompts))
-    if offline_pairs and getattr(family_class(family), "editing", False):
+        prompts, eval_prompts = (check_edit_prompts(p, family, sampler, editing=editing) for p in (prompts, eval_prompts))
+    if offline_pairs and editing:
         raise ValueError(f"algorithm.preference_pairs (offline DPO pairs) has no source images, and model family {family!r} edits images; "
                          "train it with online pairs (unset algorithm.preference_pairs) or another algorithm")
     return prompts, eval_prompts, table
 
 
-def family_default_prompts(prompts: list | None, evaluation, family: str, sampler) -> tuple[list | None, list | None]:
+def family_default_prompts(prompts: list | None, evaluation, family: str, sampler, *, editing: bool) -> tuple[list | None, list | None]:
     """The model family's built-in prompts (its adapter's ``default_prompts``) as the run's training prompts, checked
     (:func:`check_edit_prompts`), and their evaluation subset (:func:`eval_subset`)."""
     if prompts:
-        prompts = check_edit_prompts(prompts, family, sampler)
+        prompts = check_edit_prompts(prompts, family, sampler, editing=editing)
     return prompts, eval_subset(prompts, evaluation)
 
 

@@ -27,6 +27,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Sequence
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _TRUE = {"1", "on", "yes", "true"}
@@ -176,6 +177,23 @@ def resolve(ref: str, *, revision: str | None = None, allow_patterns: list[str] 
 MODEL_FILES = ["*.json", "*.txt", "*.model", "*.tiktoken", "*.safetensors"]
 PROCESSOR_FILES = ["*.json", "*.txt", "*.model", "*.tiktoken"]
 FILE_KINDS = ("model", "processor", "file")
+
+
+# weights a diffusers repository often holds beside the safetensors a model family loads: never downloaded
+HUB_IGNORE = ["*.ckpt", "*.bin", "*.pth", "*.msgpack", "*.onnx", "*.onnx_data", "*.h5", "*.pb", "*.gguf"]
+
+
+def component_patterns(components: Sequence[str]) -> list[str] | None:
+    """``allow_patterns`` of a Hub download of a model family's weights: its ``components`` (sub-folders of a diffusers
+    repository, ``ModelAdapter.hub_components``) and ``model_index.json``; ``None``: the whole repository, for a family
+    that declares no components."""
+    return [f"{c}/*" for c in components] + ["model_index.json"] if components else None
+
+
+def resolve_model_folder(ref: str, components: Sequence[str], revision: str | None = None) -> Path:
+    """``model.path`` as a local folder (:func:`resolve_folder` with the family's :func:`component_patterns`, weights of
+    other formats ignored)."""
+    return resolve_folder(ref, revision=revision, allow_patterns=component_patterns(components), ignore_patterns=HUB_IGNORE, key="model.path")
 
 
 def resolve_weights(ref: str, kind: str, *, revision: str | None = None, key: str = "") -> Path:

@@ -30,10 +30,12 @@ from diffrl.config import (
 from diffrl.distributed.checks import validate_distributed
 from diffrl.engine.checks import validate_model
 from diffrl.hub import offline
+from diffrl.run_parts import RunParts, resolve_parts
 from diffrl.run_rewards import validate_rewards
 from diffrl.run_weights import check_weights
 from diffrl.sampling.checks import validate_sampler
 from diffrl.sampling.evaluation_checks import validate_evaluation
+from pipelines.base import family_class
 from rewards.base import registered_names
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
@@ -399,18 +401,27 @@ def check_sizes(cfg: Config | DictConfig, *, backend: bool = True) -> None:
     ``backend`` is false (``diffrl plan`` plans N Ray ranks on a machine without Ray)."""
     cfg = to_config(cfg)
     batch = BatchPlan.of(cfg.trainer, cfg.distributed, cfg.model, cfg.algorithm)
-    validate_distributed(cfg.distributed, batch, cfg.model, cfg.sampler, async_chunks=int(cfg.reward.async_chunks), ema=bool(cfg.eval.ema), backend=backend)
+    validate_distributed(cfg.distributed, batch, cfg.model, cfg.sampler, family_class(cfg.model.family), async_chunks=int(cfg.reward.async_chunks),
+                         ema=bool(cfg.eval.ema), backend=backend)
 
 
 def validate(cfg: Config | DictConfig, *, hub_cache: bool = True) -> Config:
-    """Check every value of a run's config before anything is built; return it as :class:`Config`.
+    """Check every value of a run's config before anything is built; return it as :class:`Config`
+    (:func:`validate_and_resolve`, the parts it resolves left out)."""
+    return validate_and_resolve(cfg, hub_cache=hub_cache)[0]
+
+
+def validate_and_resolve(cfg: Config | DictConfig, *, hub_cache: bool = True) -> tuple[Config, RunParts]:
+    """Check every value of a run's config before anything is built; return it as :class:`Config`, with the model family
+    and the rewards it names resolved (:class:`~diffrl.run_parts.RunParts`: what the run builds them from).
 
     Ranges and choices come from each config class's ``CHECKS`` (``diffrl.config`` and each algorithm's
     ``Config``); then each component checks its own config, reading no weights and building nothing: the sampler
-    (``diffrl.sampling.checks``), the algorithm (its ``Config``), the evaluations (``diffrl.sampling.evaluation_checks``),
-    the rewards and the prompts they score (``diffrl.run_rewards``), the model (``diffrl.engine.checks``), and last every
-    checkpoint the run loads (``diffrl.run_weights``; with ``hub_cache``). The error is one line naming the key, the
-    value and what is valid.
+    (``diffrl.sampling.checks``), the algorithm (its ``Config``), the evaluations (``diffrl.sampling.evaluation_checks``);
+    then the model family with its options and every reward are resolved (``diffrl.run_parts``), once, and checked
+    against: the rewards and the prompts they score (``diffrl.run_rewards``), the model (``diffrl.engine.checks``), and
+    last every checkpoint the run loads (``diffrl.run_weights``; with ``hub_cache``). The error is one line naming the
+    key, the value and what is valid.
     """
     cfg = to_config(cfg)
     first = ("trainer.", "distributed.")  # the sizes others derive from (${optimizer_steps:k}) are named before what they give
@@ -426,8 +437,9 @@ def validate(cfg: Config | DictConfig, *, hub_cache: bool = True) -> Config:
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     validate_evaluation(cfg.eval, cfg.reward)
-    validate_rewards(cfg.reward, {"trainer.prompts": cfg.trainer.prompts, "eval.prompts": cfg.eval.prompts})
-    validate_model(cfg.model)
+    parts = resolve_parts(cfg.model, cfg.reward)
+    validate_rewards(cfg.reward, {"trainer.prompts": cfg.trainer.prompts, "eval.prompts": cfg.eval.prompts}, parts.rewards)
+    validate_model(cfg.model, parts.family)
     if hub_cache:
-        check_weights(cfg.model, cfg.reward, hub=offline())
-    return cfg
+        check_weights(cfg.model, cfg.reward, parts, hub=offline())
+    return cfg, parts

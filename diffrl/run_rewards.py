@@ -16,19 +16,13 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from diffrl.config import ConfigError, RewardConfig, eval_metric_names
+from collections.abc import Mapping
+
+from diffrl.config import ConfigError, RewardConfig
 from diffrl.data import prompt_texts
-from diffrl.sampling.distribution import build_feature_space
-from rewards.base import RewardError, build_reward, missing_extra, resolve_reward
-
-
-def reward_keys(r: RewardConfig) -> list[tuple[str, str]]:
-    """``(the key as the user sets it, reward name)`` of every reward a run builds (``reward.names=[a, b]``,
-    ``reward.gold=c`` …)."""
-    out = [(f"reward.names=[{', '.join(r.names)}]", n) for n in r.names]
-    out += [(f"reward.{k}={getattr(r, k)}", getattr(r, k)) for k in ("gold", "fidelity", "feature_space") if getattr(r, k)]
-    out += [(f"reward.judges=[{', '.join(r.judges)}]", n) for n in r.judges]
-    return out
+from diffrl.run_parts import RunParts
+from diffrl.sampling.distribution import feature_space_of
+from rewards.base import RewardError, build_reward, instantiate_reward
 
 
 def reward_weights(r: RewardConfig) -> dict[str, float]:
@@ -41,12 +35,14 @@ def reward_weights(r: RewardConfig) -> dict[str, float]:
     return {n: float(w) for n, w in zip(names, weights)}
 
 
-def validate_rewards(r: RewardConfig, prompts: dict[str, str | None]) -> None:
+def validate_rewards(r: RewardConfig, prompts: dict[str, str | None], resolved: Mapping[str, Any]) -> None:
     """Raise a one-line :class:`~diffrl.config.ConfigError` naming the ``reward.*`` key (or the prompts' key), its value
     and what is valid, reading no image and building nothing.
 
     Args:
         r: the run's ``RewardConfig``.
+        resolved: reward name → its class or function (``diffrl.run_parts.RunParts.rewards``: the names resolved, their
+            optional packages installed).
         prompts: ``config key → prompt spec`` of the run's prompts (``trainer.prompts``, ``eval.prompts``; None: the
             model family's built-in prompts), each checked against every reward's needs (``Reward.check_prompts``).
     """
@@ -57,15 +53,6 @@ def validate_rewards(r: RewardConfig, prompts: dict[str, str | None]) -> None:
     weights = list(r.weights)
     if not all(isinstance(w, (int, float)) and math.isfinite(w) for w in weights):
         raise ConfigError(f"reward.weights={weights} is invalid: each must be a finite number")
-    resolved = {}
-    for key, name in reward_keys(r):
-        try:
-            resolved[name] = resolve_reward(name)
-        except RewardError as exc:
-            raise ConfigError(f"{key}: {exc}") from None
-        extra = missing_extra(name)
-        if extra:
-            raise ConfigError(f"{key}: {extra}")
     for key, spec in prompts.items():
         if not spec:
             continue
@@ -111,16 +98,19 @@ def build_trained_rewards(r: RewardConfig) -> dict[str, tuple[Any, float]]:
     return {name: (build_reward(name, **r.options.get(name, {})), w) for name, w in weights.items()}
 
 
-def build_rewards(r: RewardConfig) -> RunRewards:
-    """The run's rewards (:class:`RunRewards`), each built once with its ``reward.options``: the trained ones, then each
-    other evaluation metric, then the feature space."""
-    weights, evaluated = reward_weights(r), eval_metric_names(r)
+def build_rewards(r: RewardConfig, parts: RunParts) -> RunRewards:
+    """The run's rewards (:class:`RunRewards`), each built once from the class or function ``parts`` resolved
+    (``diffrl.run_parts.RunParts``) with its ``reward.options``: the trained ones, then each other evaluation metric, then
+    the feature space."""
+    weights, resolved = reward_weights(r), parts.rewards
     built: dict[str, Any] = {}
-    for name in dict.fromkeys([*weights, *evaluated]):  # the trained rewards first
-        built[name] = build_reward(name, **r.options.get(name, {}))
-    space = build_feature_space(r.feature_space, r.options.get(r.feature_space, {})) if r.feature_space else None
+    for name in dict.fromkeys([*weights, *parts.metrics]):  # the trained rewards first
+        built[name] = instantiate_reward(name, resolved[name], r.options.get(name, {}))
+    fs = r.feature_space  # an instance of its own, also where it is an evaluation metric
+    space = instantiate_reward(fs, resolved[fs], r.options.get(fs, {})) if fs else None
+    space = feature_space_of(space, fs) if fs else None
     return RunRewards({name: (built[name], w) for name, w in weights.items()}, built, space, gold_name=r.gold,
                       judge_names=[n for n in r.judges if n != r.gold], fidelity_name=r.fidelity)
 
 
-__all__ = ["RunRewards", "build_rewards", "build_trained_rewards", "reward_keys", "reward_weights", "validate_rewards"]
+__all__ = ["RunRewards", "build_rewards", "build_trained_rewards", "reward_weights", "validate_rewards"]

@@ -11,19 +11,18 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from diffrl.config import ConfigError, ModelConfig, RewardConfig, eval_metric_names
-from diffrl.hub import HubError, cache_dir, is_hub_ref, offline, resolve_weights
-from pipelines.base import resolve_model_path
-from rewards.base import resolve_reward
+from diffrl.config import ConfigError, ModelConfig, RewardConfig
+from diffrl.hub import HubError, cache_dir, is_hub_ref, offline, resolve_model_folder, resolve_weights
+from diffrl.run_parts import RunParts
 
 
-def hub_weights(model: ModelConfig, reward: RewardConfig, *, local: bool = False) -> list[tuple[str, str, str]]:
+def hub_weights(model: ModelConfig, reward: RewardConfig, parts: RunParts, *, local: bool = False) -> list[tuple[str, str, str]]:
     """``(config key, reference, kind)`` of every checkpoint the run loads: ``model.path`` first, then each reward's
-    weights (given in ``reward.options`` or the reward's published default, ``Reward.hub_weights``). Hub references
-    only, unless ``local`` (then local paths too)."""
+    weights (given in ``reward.options`` or the reward's published default, ``Reward.hub_weights``; the rewards as
+    ``parts`` resolved them). Hub references only, unless ``local`` (then local paths too)."""
     r, rewards = reward, []
-    for name in dict.fromkeys([*eval_metric_names(r), *([r.feature_space] if r.feature_space else [])]):
-        refs = getattr(resolve_reward(name), "weight_refs", None)
+    for name, target in parts.rewards.items():  # the evaluation's metrics in order, then the feature space
+        refs = getattr(target, "weight_refs", None)
         options = dict(r.options.get(name, {}) or {})
         for option, weights in (refs(options) if callable(refs) else {}).items():
             if local or is_hub_ref(weights.ref):
@@ -38,13 +37,14 @@ def _fetch_line(message: str) -> str:
     return match.group(1) if match else message
 
 
-def check_weights(model: ModelConfig, reward: RewardConfig, *, hub: bool = True) -> None:
+def check_weights(model: ModelConfig, reward: RewardConfig, parts: RunParts, *, hub: bool = True) -> None:
     """Every checkpoint of the run is there before anything is built: local paths exist, and (``hub``: with
     ``HF_HUB_OFFLINE=1``) every Hub reference is in the Hugging Face cache. All missing pieces are collected, the
     model before its rewards: one of them is one line naming the repository, the revision and the command that fetches
-    it; several are one error with one ``hf download`` line each."""
+    it; several are one error with one ``hf download`` line each (``parts``: the model family and rewards resolved,
+    ``diffrl.run_parts``)."""
     missing: list[tuple[str, str]] = []  # (key, the whole message)
-    for key, ref, kind in hub_weights(model, reward, local=True):
+    for key, ref, kind in hub_weights(model, reward, parts, local=True):
         if not is_hub_ref(ref):
             if not Path(ref).expanduser().exists():
                 what = "a local diffusers folder or a Hub id (org/name)" if kind == "family" else "a local path or a Hub id"
@@ -56,7 +56,7 @@ def check_weights(model: ModelConfig, reward: RewardConfig, *, hub: bool = True)
             if kind != "family":
                 resolve_weights(ref, kind, key=key)
             else:
-                resolve_model_path(model.family, ref, model.revision)
+                resolve_model_folder(ref, parts.family.hub_components, model.revision)
         except HubError as exc:
             missing.append((key, str(exc)))
     if len(missing) == 1:

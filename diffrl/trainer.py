@@ -36,7 +36,7 @@ from diffrl.data import family_default_prompts, family_prompts, step_prompts
 from diffrl.distributed import WorkerLostError
 from diffrl.distributed.checks import validate_distributed
 from diffrl.logging import Progress, RunLogger
-from diffrl.recipes import Config, validate
+from diffrl.recipes import Config, validate_and_resolve
 from diffrl.resume import checkpoint_path, cut_records, fingerprint, pick_checkpoint, set_aside
 from diffrl.rollout_driver import RolloutDriver, rollout_request, window_masks
 from diffrl.run_evaluation import RunEvaluation, eval_line
@@ -63,7 +63,7 @@ class Trainer:
     """Runs one recipe (a composed config from ``diffrl.recipes.compose``, or the ``Config`` dataclasses)."""
 
     def __init__(self, cfg: Config | DictConfig):
-        self.cfg = cfg = validate(cfg)  # every component's config checked before anything is built
+        self.cfg, self.parts = cfg, parts = validate_and_resolve(cfg)  # every component's config checked, its family and rewards resolved, before anything is built
         t = cfg.trainer
         if t.threads:
             torch.set_num_threads(int(t.threads))
@@ -71,8 +71,8 @@ class Trainer:
         self.run = run = algorithm_context(t.seed, cfg.sampler, cfg.reward, self.batch)
         self.algorithm = build_algorithm(cfg.algorithm, run)
         # the sizes, then the algorithm against the ranks and rollouts, then the sequence-parallel groups
-        validate_distributed(cfg.distributed, self.batch, cfg.model, cfg.sampler, async_chunks=int(cfg.reward.async_chunks), ema=bool(cfg.eval.ema),
-                             algorithm=self.algorithm)
+        validate_distributed(cfg.distributed, self.batch, cfg.model, cfg.sampler, parts.family, async_chunks=int(cfg.reward.async_chunks),
+                             ema=bool(cfg.eval.ema), algorithm=self.algorithm)
         self.output_dir = Path(t.output_dir or f"outputs/{cfg.experiment}-{datetime.now():%Y%m%d-%H%M%S}")
         self.fingerprint = fingerprint(cfg.model, t, self.algorithm.name)  # what a checkpoint must share to be resumed
         self.resume_path, self.damaged, self.notices = None, [], []
@@ -84,13 +84,14 @@ class Trainer:
             self.restart_from_scratch = self.resume_path is None
         torch.manual_seed(t.seed)
         self.window = build_window(cfg.sampler, t.seed)
-        self.prompts, eval_prompts, self.prompt_metadata = family_prompts(t, cfg.eval, cfg.model.family, cfg.sampler,
+        self.prompts, eval_prompts, self.prompt_metadata = family_prompts(t, cfg.eval, cfg.model.family, cfg.sampler, editing=parts.family.editing,
                                                                           offline_pairs=self.algorithm.spec.pairs is Pairs.OFFLINE)
-        self.rewards = build_rewards(cfg.reward)  # rewards before the model: a reward that cannot be built (a server down) costs nothing
+        self.rewards = build_rewards(cfg.reward, parts)  # rewards before the model: a reward that cannot be built (a server down) costs nothing
         self.evaluation = RunEvaluation(cfg.eval, cfg.sampler, t.steps, self.rewards, self.prompt_metadata)
         self._build_workers()
         if self.prompts is None:
-            self.prompts, eval_prompts = family_default_prompts(self.workers.default_prompts(), cfg.eval, cfg.model.family, cfg.sampler)
+            self.prompts, eval_prompts = family_default_prompts(self.workers.default_prompts(), cfg.eval, cfg.model.family, cfg.sampler,
+                                                                editing=parts.family.editing)
         self.evaluation.prompts = eval_prompts
         if not self.prompts:
             raise ValueError(f"model family {cfg.model.family!r} has no built-in prompts; set trainer.prompts=<file>")

@@ -26,7 +26,7 @@ import torch
 from tensordict import TensorDict
 from torch import nn
 
-from diffrl.hub import resolve_folder
+from diffrl.hub import component_patterns, resolve_model_folder
 from pipelines.schedules import shifted_sigmas
 from pipelines.shapes import PARENT_SHAPES, SHAPES, check_shape_path, resolve_shape
 
@@ -339,15 +339,10 @@ def family_class(family: str) -> type:
     return _FAMILIES[family]
 
 
-# weights a diffusers repository often holds beside the safetensors a family loads: never downloaded
-HUB_IGNORE = ["*.ckpt", "*.bin", "*.pth", "*.msgpack", "*.onnx", "*.onnx_data", "*.h5", "*.pb", "*.gguf"]
-
-
 def hub_patterns(family: str) -> list[str] | None:
     """``allow_patterns`` of a Hub download of ``family``'s weights: its components and ``model_index.json``
-    (``None``: the whole repository, for a family that declares no components)."""
-    components = family_class(family).hub_components
-    return [f"{c}/*" for c in components] + ["model_index.json"] if components else None
+    (``None``: the whole repository, for a family that declares no components; ``diffrl.hub.component_patterns``)."""
+    return component_patterns(family_class(family).hub_components)
 
 
 def resolve_model_path(family: str, path: str | None, revision: str | None = None) -> str | None:
@@ -356,8 +351,8 @@ def resolve_model_path(family: str, path: str | None, revision: str | None = Non
     cannot be had, e.g. offline and not cached: it names the repository, the revision and the fetch command)."""
     if path is None:
         return None
-    patterns = hub_patterns(family)  # the family's components (an unknown family fails here, before any download)
-    return str(resolve_folder(str(path), revision=revision, allow_patterns=patterns, ignore_patterns=HUB_IGNORE, key="model.path"))
+    components = family_class(family).hub_components  # an unknown family fails here, before any download
+    return str(resolve_model_folder(str(path), components, revision))
 
 
 def check_adapter_options(family: str, kwargs: Mapping) -> type:

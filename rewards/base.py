@@ -38,6 +38,7 @@ import io
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any, Callable, ClassVar
 
 import torch
@@ -200,7 +201,13 @@ def build_reward(name: str, **kwargs) -> Callable:
     The declared attributes are validated (:func:`reward_spec`) so that a bad ``input`` or ``batch_size``
     fails here, not in the middle of a run.
     """
-    target = resolve_reward(name)
+    return instantiate_reward(name, resolve_reward(name), kwargs)
+
+
+def instantiate_reward(name: str, target: Any, options: Mapping[str, Any] | None = None) -> Callable:
+    """Build reward ``name`` from its resolved ``target`` (:func:`resolve_reward`): a class is instantiated with
+    ``options``, a plain function is used as is; its declared attributes validated (:func:`reward_spec`)."""
+    kwargs = dict(options or {})
     if isinstance(target, type):
         try:
             reward = target(**kwargs)

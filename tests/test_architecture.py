@@ -20,7 +20,7 @@ SHARED_HELPERS = {"diffrl.hub"}  # leaf modules of diffrl that the plug-ins may 
 LAYERS = [
     ("diffrl.tools",),
     ("diffrl.trainer", "diffrl.resume", "diffrl.rollout_driver", "diffrl.run_evaluation", "diffrl.run_setup", "diffrl.run_report"),
-    ("diffrl.recipes", "diffrl.run_rewards", "diffrl.run_weights"),
+    ("diffrl.recipes", "diffrl.run_rewards", "diffrl.run_weights", "diffrl.run_parts"),
     ("diffrl.distributed",),
     ("diffrl.algorithms",),
     ("diffrl.engine", "diffrl.checkpoint"),

@@ -102,7 +102,7 @@ def test_split_resize_and_family_checks():
 
     sampler = SamplerConfig(height=16, width=16)
     with pytest.raises(ValueError, match="'digits' is text-to-image; use an editing family"):
-        check_edit_prompts([a], "digits", sampler)
+        check_edit_prompts([a], "digits", sampler, editing=False)
 
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from diffrl.hub import HubError, cache_dir, parse_ref, resolve_file, resolve_folder, resolve_weights
-from diffrl.recipes import ConfigError, compose, validate
+from diffrl.recipes import ConfigError, compose, validate, validate_and_resolve
 from diffrl.run_weights import hub_weights
 from diffrl.tools.cli import main
 from pipelines.base import build_adapter, resolve_model_path
@@ -118,17 +118,17 @@ def test_reward_by_default_repo_and_by_file_ref(hub_home, tiny_pickscore_on_hub,
 
 
 def test_validate_checks_the_cache_before_anything_is_built(hub_home, tiny_pickscore_on_hub):
-    ok = validate(compose(["experiment=sd3_tiny_flow_grpo", "reward.names=[pickscore]", "reward.weights=[1.0]"]))
-    assert [(key, ref) for key, ref, _ in hub_weights(ok.model, ok.reward)] == [("+reward.options.pickscore.checkpoint", "yuvalkirstain/PickScore_v1"),
+    ok, parts = validate_and_resolve(compose(["experiment=sd3_tiny_flow_grpo", "reward.names=[pickscore]", "reward.weights=[1.0]"]))
+    assert [(key, ref) for key, ref, _ in hub_weights(ok.model, ok.reward, parts)] == [("+reward.options.pickscore.checkpoint", "yuvalkirstain/PickScore_v1"),
                                                               ("+reward.options.pickscore.processor", "laion/CLIP-ViT-H-14-laion2B-s32B-b79K")]
     with pytest.raises(ConfigError, match=r"model.path=stabilityai/stable-diffusion-3.5-medium: .*revision main.*hf download"):
         validate(compose(["experiment=sd3_tiny_flow_grpo", "model.path=stabilityai/stable-diffusion-3.5-medium"]))
     with pytest.raises(ConfigError, match=r"reward.options.hpsv2.checkpoint=xswu/HPSv2/HPS_v2.1_compressed.pt"):
         validate(compose(["experiment=sd3_tiny_flow_grpo", "reward.names=[hpsv2]", "reward.weights=[1.0]"]))
     # random weights need nothing from the Hub
-    random_init = validate(compose(["experiment=sd3_tiny_flow_grpo", "reward.names=[hpsv2]", "reward.weights=[1.0]",
-                                    "+reward.options.hpsv2.random_init=true"]))
-    assert hub_weights(random_init.model, random_init.reward) == []
+    random_init, parts = validate_and_resolve(compose(["experiment=sd3_tiny_flow_grpo", "reward.names=[hpsv2]", "reward.weights=[1.0]",
+                                                       "+reward.options.hpsv2.random_init=true"]))
+    assert hub_weights(random_init.model, random_init.reward, parts) == []
 
 
 def test_train_with_model_and_reward_by_hub_id_offline(hub_home, tiny_pickscore_on_hub, tmp_path, capsys, single_thread):

@@ -27,12 +27,12 @@ def check_backend(dist: DistributedConfig) -> None:
                              "installed: pip install -e '.[ray]'")
 
 
-def validate_distributed(dist: DistributedConfig, batch: BatchPlan, model: ModelConfig, sampler: SamplerConfig, *, async_chunks: int, ema: bool,
-                         backend: bool = True, algorithm: Algorithm | None = None) -> None:
+def validate_distributed(dist: DistributedConfig, batch: BatchPlan, model: ModelConfig, sampler: SamplerConfig, family: type, *, async_chunks: int,
+                         ema: bool, backend: bool = True, algorithm: Algorithm | None = None) -> None:
     """The global sizes of ``batch`` against workers, mini-batches, reward chunks (``reward.async_chunks``) and rollout
     replicas; ``model``'s FSDP2 / fused-LoRA settings against the ranks, ``eval.ema`` (``ema``) against full fine-tuning;
     then the run's ``algorithm`` (when given: :func:`check_objective`); last ``model.sequence_parallel`` against the
-    family, the ranks and the heads and tokens at ``sampler``'s size (``diffrl.engine.sequence_parallel.check_config``).
+    ``family`` (the adapter class of ``model.family``), the ranks and the heads and tokens at ``sampler``'s size (``diffrl.engine.sequence_parallel.check_config``).
     The backend first (:func:`check_backend`) and the sequence-parallel groups last unless ``backend`` is false
     (``diffrl plan`` plans N Ray ranks on a machine without Ray, and checks the groups over the ranks it plans)."""
     P, G = batch.prompts_per_step, batch.group_size
@@ -95,7 +95,7 @@ def validate_distributed(dist: DistributedConfig, batch: BatchPlan, model: Model
     if algorithm is not None:
         check_objective(dist, model, algorithm, num_workers=W)
     if backend:
-        sequence_parallel.check_config(model, sampler, num_workers=W, backend=dist.backend)
+        sequence_parallel.check_config(model, sampler, family, num_workers=W, backend=dist.backend)
 
 
 def check_objective(dist: DistributedConfig, model: ModelConfig, algorithm: Algorithm, *, num_workers: int) -> None:

@@ -1,5 +1,6 @@
-"""The model's config checks (``model.*``: the LoRA experts against the family's adapter options, the device), run by
-``diffrl.recipes.validate`` before anything is built."""
+"""The model's config checks (``model.*``: the LoRA experts against the family's, the device), run by
+``diffrl.recipes.validate`` before anything is built, on the family's adapter class that ``diffrl.run_parts`` resolved
+(with the options ``model.*`` gives it checked)."""
 
 from __future__ import annotations
 
@@ -7,13 +8,13 @@ import torch
 
 from diffrl.config import ConfigError, ModelConfig
 from diffrl.engine.lora import check_lora_experts
-from pipelines.base import check_adapter_options
 
 
-def validate_model(m: ModelConfig) -> None:
-    """Raise a one-line :class:`~diffrl.config.ConfigError` naming the ``model.*`` key, its value and what is valid."""
+def validate_model(m: ModelConfig, family: type) -> None:
+    """Raise a one-line :class:`~diffrl.config.ConfigError` naming the ``model.*`` key, its value and what is valid
+    (``family``: the adapter class of ``model.family``, ``diffrl.run_parts.RunParts.family``)."""
     try:
-        check_lora_experts(m.lora.experts, check_adapter_options(m.family, m.adapter_kwargs()), m.family)
+        check_lora_experts(m.lora.experts, family, m.family)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     try:

@@ -35,7 +35,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from pipelines.base import family_class
 
 
 class SequenceParallel:
@@ -244,7 +243,7 @@ def apply_wan(transformer: nn.Module, sp: SequenceParallel) -> nn.Module:
     return transformer
 
 
-def check_config(model, sampler, *, num_workers: int, backend: str) -> None:
+def check_config(model, sampler, family: type, *, num_workers: int, backend: str) -> None:
     """Refuse ``model.sequence_parallel`` settings that cannot run, before any worker starts: a family that is not a
     video family, a local (one-process) backend, a rank count that the group size does not divide, a group size that
     does not divide the attention heads or the video tokens at ``sampler.height × width`` (read from the family's
@@ -253,12 +252,13 @@ def check_config(model, sampler, *, num_workers: int, backend: str) -> None:
     Args:
         model: the ``ModelConfig`` (``sequence_parallel``, ``family``, ``path``, ``options``).
         sampler: the ``SamplerConfig`` (``height``, ``width``).
+        family: the adapter class of ``model.family`` (``pipelines.base.family_class``).
         num_workers, backend: the ranks and where they run (``distributed.num_workers``, ``distributed.backend``).
     """
     k = int(model.sequence_parallel)
     if k == 1:
         return
-    layout = getattr(family_class(model.family), "sequence_layout", None)
+    layout = getattr(family, "sequence_layout", None)
     if layout is None:
         raise ValueError(f"model.sequence_parallel={k} splits a video's tokens over ranks; model family {model.family!r} is not a video "
                          "family (sequence parallelism: wan, wan22, digits_video); set model.sequence_parallel=1")

@@ -35,7 +35,7 @@ base model's.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -67,7 +67,15 @@ def build_feature_space(name: str, options: dict | None = None) -> FeatureSpace:
     Raises:
         TypeError: naming the reward when it has no ``features`` / ``reference_features``.
     """
-    space = build_reward(name, **(options or {}))
+    return feature_space_of(build_reward(name, **(options or {})), name)
+
+
+def feature_space_of(space: Any, name: str) -> FeatureSpace:
+    """The built reward ``space`` (registered as ``name``), checked to provide :class:`FeatureSpace`.
+
+    Raises:
+        TypeError: naming the reward when it has no ``features`` / ``reference_features``.
+    """
     if not isinstance(space, FeatureSpace):
         raise TypeError(
             f"reward {name!r} ({type(space).__name__}) is no feature space: it needs features(images) and "

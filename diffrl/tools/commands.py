@@ -353,7 +353,7 @@ def run_sample(args) -> int:
     out = prepare_out(args.out, ["samples.json", "grid.png", "images"], args.overwrite)
     source = resolve_source(args)
     cfg = source.cfg
-    prompts = check_edit_prompts(prompts, cfg.model.family, cfg.sampler)
+    prompts = check_edit_prompts(prompts, cfg.model.family, cfg.sampler, editing=family_class(cfg.model.family).editing)
     metrics = {} if args.rewards in (["none"],) else build_metrics(cfg, args.rewards or None)
     adapter = chosen_adapter(args, source)
     workers = build_workers(source)
@@ -405,7 +405,7 @@ def run_eval(args) -> int:
     prompts = given or eval_prompts or eval_subset(workers.default_prompts(), e)
     if not prompts:
         raise ValueError(f"model family {cfg.model.family!r} has no built-in prompts; give --prompts, --prompt-file or trainer.prompts=<file>")
-    prompts = check_edit_prompts(prompts, cfg.model.family, cfg.sampler)
+    prompts = check_edit_prompts(prompts, cfg.model.family, cfg.sampler, editing=family_class(cfg.model.family).editing)
     start = time.perf_counter()
     all_records, seeds = eval_prompts_and_seeds(prompts, e.seeds_per_prompt, e.seed)
     evaluator = Evaluator(metrics, eval_num_steps=cfg.sampler.eval_num_steps, micro_batch_size=cfg.sampler.micro_batch_size)

@@ -68,7 +68,7 @@ from diffrl.sampling import rollout, sde
 from diffrl.run_setup import run_context, worker_config
 from diffrl.sampling.schedules import build_window
 from diffrl.tools.plan_rewards import reward_bytes
-from pipelines.base import PARENT_SHAPES, SHAPES, parent_shape_name, published_shape
+from pipelines.base import PARENT_SHAPES, SHAPES, family_class, parent_shape_name, published_shape
 
 GiB = 2**30
 GPUS = {  # name → (memory in GiB that torch reports as total, dense bf16 FLOP/s from diffrl.engine.flops)
@@ -143,7 +143,7 @@ def plan_config(overrides: list[str], gpus: int):
     cfg = validate(cfg, hub_cache=False)  # nothing is loaded: the plan needs no cached weights
     try:
         check_sizes(cfg, backend=False)  # N Ray ranks planned as one local worker, on a machine that need not have Ray
-        sequence_parallel.check_config(cfg.model, cfg.sampler, num_workers=gpus, backend="ray")  # family, heads, tokens
+        sequence_parallel.check_config(cfg.model, cfg.sampler, family_class(cfg.model.family), num_workers=gpus, backend="ray")  # family, heads, tokens
     except ValueError as exc:
         raise PlanError(f"{exc} (planning --gpus {gpus})") from None
     return cfg, shape
