@@ -90,6 +90,13 @@ def is_fake(t) -> bool:
     return isinstance(t, fake_tensor.FakeTensor)
 
 
+def _own_dtype(t: torch.Tensor) -> torch.Tensor:
+    """``t``, copied when it is a view of another dtype (``torch.view_as_real`` of complex rotary tables: Z-Image): the
+    fake converter rebuilds a view from its base and refuses a base whose dtype differs."""
+    base = t._base
+    return t.clone() if base is not None and base.dtype != t.dtype else t
+
+
 class ShapeTrace(TorchDispatchMode):
     """Live bytes, their peak and the executed FLOPs of everything run inside it (see the module docstring).
 
@@ -164,7 +171,7 @@ class ShapeTrace(TorchDispatchMode):
             convert = self.fake_mode.fake_tensor_converter.from_real_tensor
             flat, spec = tree_flatten((args, kwargs))
             flat = [
-                convert(self.fake_mode, x, make_constant=x.numel() <= SMALL and not isinstance(x, torch.nn.Parameter))
+                convert(self.fake_mode, _own_dtype(x), make_constant=x.numel() <= SMALL and not isinstance(x, torch.nn.Parameter))
                 if isinstance(x, torch.Tensor) and not is_fake(x) else x
                 for x in flat
             ]
