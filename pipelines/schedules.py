@@ -36,6 +36,21 @@ def flow_match_sigmas(num_steps: int, shift: float, num_train_timesteps: int = 1
     return torch.cat([f(grid), torch.zeros(1, dtype=torch.float64)]).float()
 
 
+def terminal_stretched_sigmas(num_steps: int, shift: float, terminal: float | None = None) -> torch.Tensor:
+    """The sigmas of a pipeline that passes ``sigmas = linspace(1, 1/K, K)`` to ``FlowMatchEulerDiscreteScheduler``
+    (QwenImagePipeline, ZImagePipeline): shifted ``σ' = s·σ / (1 + (s − 1)·σ)``, stretched so that ``1 − σ'`` ends at
+    ``1 − terminal`` when the scheduler config sets ``shift_terminal``, then a final 0 (``[K + 1]``, float32)."""
+    if num_steps < 1:
+        raise ValueError(f"num_steps must be ≥ 1, got {num_steps}")
+    s = float(shift)
+    grid = torch.linspace(1.0, 1.0 / num_steps, num_steps, dtype=torch.float64)
+    sigmas = s * grid / (1 + (s - 1) * grid)
+    if terminal:
+        one_minus = 1 - sigmas
+        sigmas = 1 - one_minus / (one_minus[-1] / (1 - float(terminal)))
+    return torch.cat([sigmas, torch.zeros(1, dtype=torch.float64)]).float()
+
+
 def calculate_shift(image_seq_len: int, config: dict) -> float:
     """FluxPipeline's / QwenImagePipeline's ``calculate_shift``: ``μ = m·L + b`` through (``base_image_seq_len``,
     ``base_shift``) and (``max_image_seq_len``, ``max_shift``) of the scheduler config (defaults 256, 4096, 0.5, 1.15)."""

@@ -47,7 +47,7 @@ from tensordict import TensorDict
 from pipelines.base import check_cfg_mode, register_family, torch_dtype
 from pipelines.flops import qwen_image_forward_flops
 from pipelines.latent import LatentFlowFamily, check_folder, load_common, own_memory, pack_latents, unpack_latents
-from pipelines.schedules import calculate_shift
+from pipelines.schedules import calculate_shift, terminal_stretched_sigmas
 from pipelines.shapes import QWEN2_5_VL_7B, Shape, building, family_components, plain, register_shape
 
 # the family's published shapes (``model.options.shape``; pipelines.shapes)
@@ -306,13 +306,7 @@ class QwenImageAdapter(LatentFlowFamily):
         if num_steps < 1:
             raise ValueError(f"num_steps must be ≥ 1, got {num_steps}")
         s = float(shift) if shift is not None else self.dynamic_shift(height or self.sample_size, width or self.sample_size)
-        grid = torch.linspace(1.0, 1.0 / num_steps, num_steps, dtype=torch.float64)
-        sigmas = s * grid / (1 + (s - 1) * grid)
-        terminal = self.scheduler_config.get("shift_terminal")
-        if terminal:
-            one_minus = 1 - sigmas
-            sigmas = 1 - one_minus / (one_minus[-1] / (1 - float(terminal)))
-        return torch.cat([sigmas, torch.zeros(1, dtype=torch.float64)]).float()
+        return terminal_stretched_sigmas(num_steps, s, self.scheduler_config.get("shift_terminal"))
 
     # -- prompt embeddings ----------------------------------------------------------------------
     def _encode_batch(self, prompts: list[str]) -> TensorDict:

@@ -49,7 +49,7 @@ from tensordict import TensorDict
 from pipelines.base import check_cfg_mode, register_family, torch_dtype
 from pipelines.latent import LatentFlowFamily, check_folder, own_memory, read_scheduler
 from pipelines.qwen_image.adapter import build_tiny_qwen_tokenizer
-from pipelines.schedules import calculate_shift
+from pipelines.schedules import calculate_shift, terminal_stretched_sigmas
 from pipelines.shapes import SD3_FLUX_VAE, Shape, building, family_components, plain, register_shape
 from pipelines.tiny import build_tiny_vae
 
@@ -335,13 +335,7 @@ class ZImageAdapter(LatentFlowFamily):
         s = float(shift) if shift is not None else self.dynamic_shift(height or self.sample_size, width or self.sample_size)
         if s <= 0:
             raise ValueError(f"sigma shift must be > 0, got {s}")
-        grid = torch.linspace(1.0, 1.0 / num_steps, num_steps, dtype=torch.float64)
-        sigmas = s * grid / (1 + (s - 1) * grid)
-        terminal = self.scheduler_config.get("shift_terminal")
-        if terminal:
-            one_minus = 1 - sigmas
-            sigmas = 1 - one_minus / (one_minus[-1] / (1 - float(terminal)))
-        return torch.cat([sigmas, torch.zeros(1, dtype=torch.float64)]).float()
+        return terminal_stretched_sigmas(num_steps, s, self.scheduler_config.get("shift_terminal"))
 
     # -- prompt embeddings ----------------------------------------------------------------------
     def _encode_batch(self, prompts: list[str]) -> TensorDict:
