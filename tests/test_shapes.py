@@ -31,7 +31,7 @@ from pipelines.tiny import TINY_VAE
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 known_families()  # each family registers its published shapes on import (pipelines.shapes.register_shape)
-EXPECTED_SHAPES = ["flux_dev", "flux_kontext", "qwen_image", "qwen_image_edit", "sd35_large", "sd35_medium", "wan21_14b", "wan21_1_3b", "wan22_a14b",
+EXPECTED_SHAPES = ["flux2_klein_4b", "flux_dev", "flux_kontext", "qwen_image", "qwen_image_edit", "sd35_large", "sd35_medium", "wan21_14b", "wan21_1_3b", "wan22_a14b",
                    "z_image_turbo"]
 
 
@@ -57,7 +57,7 @@ def test_published_shape_builds_on_meta_at_its_size(name):
 def test_full_is_each_familys_flagship_and_bad_shapes_are_one_line_errors():
     assert {f: resolve_shape(f, "full").name for f in FULL} == {"sd3": "sd35_large", "flux": "flux_dev", "qwen_image": "qwen_image", "wan": "wan21_14b",
                                                                    "qwen_image_edit": "qwen_image_edit", "flux_kontext": "flux_kontext", "wan22": "wan22_a14b",
-                                                                   "z_image": "z_image_turbo"}
+                                                                   "z_image": "z_image_turbo", "flux2_klein": "flux2_klein_4b"}
     assert resolve_shape("sd3", "tiny") is None
     with pytest.raises(ValueError, match=r"model family 'sd3' has no shape 'flux_dev'; its shapes are \['tiny', 'full', 'sd35_large', 'sd35_medium'\]"):
         build_adapter("sd3", shape="flux_dev", device="meta")
